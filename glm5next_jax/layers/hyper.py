@@ -1,0 +1,48 @@
+"""Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams around each sublayer.
+
+mapping() derives the per-token pre/post/comb weights from the streams (fp32), collapse() mixes the
+streams into the sublayer input, expand() writes the sublayer output back into the streams.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from .common import PRECISION, unweighted_rms_norm
+
+
+def mapping(p, streams, config):
+    """p: fn [H*D, (2+H)*H], base [(2+H)*H], scale [3] (all fp32); streams [B, T, H, D].
+
+    Returns pre [B, T, H], post [B, T, H], comb [B, T, H, H] (fp32); comb is doubly stochastic
+    after the Sinkhorn iterations: rows index the input stream, columns the output stream.
+    """
+    n, eps = config.hc_mult, config.hc_eps
+    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    flat = unweighted_rms_norm(flat, config.rms_norm_eps)
+    mixed = jnp.einsum("...i,io->...o", flat, p["fn"].astype(jnp.float32), precision=PRECISION)
+    base = p["base"].astype(jnp.float32)
+    scale = p["scale"].astype(jnp.float32)
+    pre = jax.nn.sigmoid(mixed[..., :n] * scale[0] + base[:n]) + eps
+    post = 2.0 * jax.nn.sigmoid(mixed[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = mixed[..., 2 * n :] * scale[2] + base[2 * n :]
+    comb = jax.nn.softmax(comb_logits.reshape(*comb_logits.shape[:-1], n, n), axis=-1) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+
+    def sinkhorn_step(_, c):
+        c = c / (c.sum(axis=-1, keepdims=True) + eps)
+        return c / (c.sum(axis=-2, keepdims=True) + eps)
+
+    comb = jax.lax.fori_loop(0, config.hc_sinkhorn_iters - 1, sinkhorn_step, comb)
+    return pre, post, comb
+
+
+def collapse(pre, streams):
+    """Sublayer input: sum_h pre_h * X_h, in fp32, cast to the streams' dtype."""
+    return jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+
+
+def expand(post, comb, y, streams):
+    """X'_j = post_j * y + sum_i comb[i, j] * X_i, in the streams' dtype."""
+    dtype = streams.dtype
+    mixed = jnp.einsum("...ij,...id->...jd", comb.astype(dtype), streams, precision=PRECISION)
+    return post.astype(dtype)[..., None] * y[..., None, :] + mixed

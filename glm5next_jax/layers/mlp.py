@@ -1,0 +1,71 @@
+"""Clamped SwiGLU MLP and the sigmoid-routed MoE with a shared expert."""
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import moe_gemm
+
+from .common import PRECISION, linear
+
+
+def clamped_swiglu(gate_up, limit):
+    """silu(min(gate, limit)) * clip(up, -limit, limit); gate_up is [..., 2, I] (gate, up)."""
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def dense_mlp(p, x, config):
+    """p: gate_up [D, 2, I], down [I, D]."""
+    return linear(clamped_swiglu(linear(x, p["gate_up"]), config.swiglu_limit), p["down"])
+
+
+def route(p, x, config):
+    """Router: top-k experts per token and their weights.
+
+    Selection ranks sigmoid scores plus `router_bias` (e_score_correction_bias), limited to the
+    best `topk_group` groups; the emitted weights are the unbiased scores of the chosen experts.
+    Returns (weights [N, k] fp32, experts [N, k] int32) for x [N, D].
+    """
+    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), p["router"].astype(jnp.float32), precision=PRECISION)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + p["router_bias"].astype(jnp.float32)
+    if config.n_group > 1:
+        grouped = choice.reshape(choice.shape[0], config.n_group, config.experts_per_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        _, best_groups = jax.lax.top_k(group_scores, config.topk_group)
+        keep_group = jax.nn.one_hot(best_groups, config.n_group, dtype=jnp.bool_).any(axis=-2)
+        keep = jnp.repeat(keep_group, config.experts_per_group, axis=-1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, config.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def moe(p, x, config):
+    """Routed experts (grouped GEMM over tokens sorted by expert) plus the unscaled shared expert.
+
+    p: router [D, E] fp32, router_bias [E] fp32, experts_gate_up [E, D, 2, I], experts_down [E, I, D],
+    shared {gate_up, down} when n_shared_experts > 0.
+    """
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])
+    weights, experts = route(p, tokens, config)
+    k = config.num_experts_per_tok
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    token_of_row = order // k
+    group_sizes = jnp.bincount(flat_experts, length=config.n_routed_experts).astype(jnp.int32)
+    rows = tokens[token_of_row]
+    gate_up = p["experts_gate_up"]
+    hidden = moe_gemm.grouped_matmul(rows, gate_up.reshape(*gate_up.shape[:2], -1), group_sizes)
+    hidden = clamped_swiglu(hidden.reshape(hidden.shape[0], 2, -1), config.swiglu_limit)
+    out_rows = moe_gemm.grouped_matmul(hidden, p["experts_down"], group_sizes)
+    # Each expert's weighted output is cast to the activation dtype before the sum, as in the reference.
+    out_rows = (out_rows * weights.reshape(-1)[order][:, None]).astype(x.dtype)
+    routed = jnp.zeros_like(tokens).at[token_of_row].add(out_rows)
+    out = routed.reshape(shape)
+    if "shared" in p:
+        out = out + dense_mlp(p["shared"], x, config)
+    return out

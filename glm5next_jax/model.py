@@ -1,0 +1,93 @@
+"""The GLM-5-Next text model: embed -> hc_mult streams -> decoder layers -> stream mean -> norm -> lm_head."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import DSA, Config
+from .layers import hyper
+from .layers.common import PRECISION, rms_norm
+from .layers.dsa import dsa_layer
+from .layers.kda import kda_layer
+from .layers.mlp import dense_mlp, moe
+
+
+def decoder_layer(p, streams, config: Config, layer: int, padding_mask, shared_indices):
+    """One layer: mHC around the attention sublayer, then around the MLP sublayer.
+
+    Returns (streams, selected indices when this is a full DSA layer, else None).
+    """
+    pre, post, comb = hyper.mapping(p["attn_hc"], streams, config)
+    h = rms_norm(hyper.collapse(pre, streams), p["input_norm"], config.rms_norm_eps)
+    indices = None
+    if config.layer_types[layer] == DSA:
+        y, indices = dsa_layer(p["attn"], h, config, padding_mask, shared_indices)
+    else:
+        y = kda_layer(p["attn"], h, config, padding_mask)
+    streams = hyper.expand(post, comb, y, streams)
+
+    pre, post, comb = hyper.mapping(p["ffn_hc"], streams, config)
+    h = rms_norm(hyper.collapse(pre, streams), p["post_attention_norm"], config.rms_norm_eps)
+    y = moe(p["mlp"], h, config) if config.mlp_layer_types[layer] == "sparse" else dense_mlp(p["mlp"], h, config)
+    return hyper.expand(post, comb, y, streams), indices
+
+
+def final_logits(params, streams, config: Config):
+    """Mean of the streams, final RMSNorm, lm_head; logits in fp32."""
+    x = rms_norm(streams.mean(axis=-2), params["norm"], config.rms_norm_eps)
+    return jnp.einsum("...d,dv->...v", x, params["lm_head"], precision=PRECISION, preferred_element_type=jnp.float32)
+
+
+def embed(params, input_ids, config: Config):
+    x = jnp.take(params["embed_tokens"], input_ids, axis=0)
+    return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], config.hc_mult, x.shape[-1]))
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _forward(params, config: Config, input_ids, attention_mask):
+    padding_mask = attention_mask.astype(jnp.bool_)
+    streams = embed(params, input_ids, config)
+    indices = None
+    for i, p in enumerate(params["layers"]):
+        streams, indices = decoder_layer(p, streams, config, i, padding_mask, indices)
+    return final_logits(params, streams, config)
+
+
+def forward(params, config: Config, input_ids, attention_mask=None):
+    """Logits [B, T, vocab] (fp32) for int token ids [B, T] and an optional 0/1 mask [B, T].
+
+    Padding may be on the left or the right; padded positions get logits but they carry no meaning.
+    """
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids must be an integer array [B, T], got {input_ids.dtype} {input_ids.shape}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids must hold at least one token per row (T >= 1)")
+    if attention_mask is not None:
+        attention_mask = jnp.asarray(attention_mask)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must match input_ids' shape {input_ids.shape}, got {attention_mask.shape}")
+        _check_mask_values(attention_mask)
+    if attention_mask is None or input_ids.shape[1] == 1:
+        # transformers ignores the mask of a single-token input (a lone token is never padding).
+        attention_mask = jnp.ones(input_ids.shape, jnp.bool_)
+    _check_ids_in_range(input_ids, config.vocab_size)
+    return _forward(params, config, input_ids.astype(jnp.int32), attention_mask)
+
+
+def _check_ids_in_range(input_ids, vocab_size):
+    if isinstance(input_ids, jax.core.Tracer):
+        return
+    ids = np.asarray(input_ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"input_ids must lie in [0, {vocab_size}), got values in [{ids.min()}, {ids.max()}]")
+
+
+def _check_mask_values(mask):
+    if isinstance(mask, jax.core.Tracer):
+        return
+    values = np.unique(np.asarray(mask))
+    if not np.isin(values, [0, 1]).all():
+        raise ValueError(f"attention_mask must hold only 0 and 1, got values {values[:8].tolist()}")

@@ -1,0 +1,124 @@
+"""Kimi Delta Attention (KDA) core: the gated delta rule with a per-channel forget gate.
+
+Per head, with state S [dk, dv] in fp32, for each token t:
+    S <- diag(exp g_t) S
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T
+    o_t = S^T q_t
+q and k are L2-normalised here (x / sqrt(sum x^2 + 1e-6), in fp32) and q is scaled by dk^-0.5,
+as transformers' `use_qk_l2norm_in_kernel=True` does.
+
+`kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form
+used for decode. Both are pure jnp here and are the oracles of the Pallas kernels.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+HIGHEST = jax.lax.Precision.HIGHEST
+L2_EPS = 1e-6
+
+
+def l2_normalise(x):
+    x = x.astype(jnp.float32)
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state):
+    if q.ndim != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, dk], got {q.shape} and {k.shape}")
+    b, t, h, dk = q.shape
+    if v.ndim != 4 or v.shape[:3] != (b, t, h):
+        raise ValueError(f"v must be [B, T, H, dv] = [{b}, {t}, {h}, dv], got {v.shape}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must be [B, T, H, dk] = {q.shape}, got {g.shape}")
+    if beta.shape != (b, t, h):
+        raise ValueError(f"beta must be [B, T, H] = {(b, t, h)}, got {beta.shape}")
+    if initial_state is not None and initial_state.shape != (b, h, dk, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, dk, dv] = {(b, h, dk, v.shape[-1])}, got {initial_state.shape}")
+
+
+def _prepare(q, k, v, g, beta, initial_state):
+    dk = q.shape[-1]
+    q = l2_normalise(q) * dk**-0.5
+    k = l2_normalise(k)
+    state = (
+        jnp.zeros((q.shape[0], q.shape[2], dk, v.shape[-1]), jnp.float32)
+        if initial_state is None
+        else initial_state.astype(jnp.float32)
+    )
+    return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), state
+
+
+def kda_recurrent(q, k, v, g, beta, initial_state=None):
+    """Token-by-token KDA. q, k [B, T, H, dk], v [B, T, H, dv], g [B, T, H, dk] (log decay, fp32),
+    beta [B, T, H]. Returns (o [B, T, H, dv] in q.dtype, final_state [B, H, dk, dv] fp32)."""
+    _check_inputs(q, k, v, g, beta, initial_state)
+    out_dtype = q.dtype
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[..., None]
+        predicted = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=HIGHEST)
+        delta = (v_t - predicted) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=HIGHEST)
+
+    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+    state, o = jax.lax.scan(step, state, time_major)
+    return jnp.moveaxis(o, 0, 1).astype(out_dtype), state
+
+
+def kda_chunk_scan(q, k, v, g, beta, initial_state=None, *, chunk_size=64):
+    """Chunked (WY) KDA, same arguments and results as `kda_recurrent`.
+
+    Within a chunk the delta rule's triangular system is solved exactly; chunks are scanned in
+    order, carrying the fp32 state. Pairwise decays exp(G_i - G_j) are formed per channel (never
+    as exp(G_i) * exp(-G_j), which overflows for gates near the lower bound).
+    """
+    _check_inputs(q, k, v, g, beta, initial_state)
+    out_dtype = q.dtype
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
+    c = chunk_size
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+
+    def chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n_chunks, c, h, *x.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+    i_idx = jnp.arange(c)[:, None]
+    j_idx = jnp.arange(c)[None, :]
+    causal = j_idx <= i_idx
+    strictly_causal = j_idx < i_idx
+    eye = jnp.eye(c, dtype=jnp.float32)
+
+    def step(s, xs):
+        q_c, k_c, v_c, g_c, b_c = xs  # [B, H, C, d], beta [B, H, C]
+        cum = jnp.cumsum(g_c, axis=-2)
+        diff = cum[..., :, None, :] - cum[..., None, :, :]  # [B, H, C_i, C_j, dk]
+        decay = jnp.exp(jnp.where(causal[..., None], diff, -jnp.inf))
+        k_beta = k_c * b_c[..., None]
+        kk = jnp.einsum("bhid,bhjd,bhijd->bhij", k_beta, k_c, decay, precision=HIGHEST)
+        lower = jnp.where(strictly_causal, kk, 0.0)
+        # (I + L)^-1 applied to beta*v and to beta*k*exp(G): the WY representation of the chunk.
+        u = solve_triangular(eye + lower, v_c * b_c[..., None], lower=True, unit_diagonal=True)
+        w = solve_triangular(eye + lower, k_beta * jnp.exp(cum), lower=True, unit_diagonal=True)
+        qk = jnp.where(causal, jnp.einsum("bhid,bhjd,bhijd->bhij", q_c, k_c, decay, precision=HIGHEST), 0.0)
+        v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=HIGHEST)
+        o = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(cum), s, precision=HIGHEST)
+        o = o + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=HIGHEST)
+        last = cum[..., -1:, :]
+        s = s * jnp.exp(last)[..., 0, :, None] + jnp.einsum(
+            "bhck,bhcv->bhkv", k_c * jnp.exp(last - cum), v_new, precision=HIGHEST
+        )
+        return s, o
+
+    state, o = jax.lax.scan(step, state, [chunks(x) for x in (q, k, v, g)] + [chunks(beta)])
+    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, dv]
+    o = jnp.moveaxis(o, 2, 3).reshape(b, n_chunks * c, h, dv)[:, :t]
+    return o.astype(out_dtype), state

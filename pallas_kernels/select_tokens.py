@@ -1,0 +1,112 @@
+"""DSA token selection: score complete key pools per query, keep the best, expand them to tokens.
+
+Pools start at the sequence's first valid key and hold `pool_size` consecutive keys; a pool is valid
+when all its keys exist and are valid, and it is a candidate for a query when its last key is
+visible to that query (causal and valid). For each query the best min(index_topk / pool_size,
+n_pools) candidates are kept and expanded to their token indices; the query's incomplete tail
+(the visible keys after its last complete pool) is appended raw; rows are padded with -1 to a fixed
+width, and rows of invalid queries are all -1.
+"""
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def first_valid_key(key_valid):
+    """Index of each row's first valid key, or S when the row has none. key_valid [B, S] -> [B]."""
+    s = key_valid.shape[-1]
+    return jnp.where(key_valid.any(-1), jnp.argmax(key_valid, axis=-1), s).astype(jnp.int32)
+
+
+def pool_token_indices(first_key, n_pools, pool_size):
+    """[B, n_pools, pool_size] key indices of every pool (not bounds-checked)."""
+    offsets = jnp.arange(n_pools * pool_size, dtype=jnp.int32).reshape(n_pools, pool_size)
+    return first_key[:, None, None] + offsets
+
+
+def pool_validity(key_valid, n_pools, pool_size):
+    """[B, n_pools]: every key of the pool exists and is valid."""
+    s = key_valid.shape[-1]
+    idx = pool_token_indices(first_valid_key(key_valid), n_pools, pool_size)
+    valid = jnp.take_along_axis(key_valid, jnp.clip(idx, 0, s - 1).reshape(idx.shape[0], -1), axis=-1)
+    return ((idx < s) & valid.reshape(idx.shape)).all(-1)
+
+
+def pool_scores(q_idx, head_weights, pool_keys):
+    """score[b, t, p] = sum_h w[b, t, h] * relu(q[b, t, h] . pool_key[b, p] / sqrt(hd)), fp32."""
+    scale = q_idx.shape[-1] ** -0.5
+    dots = jnp.einsum(
+        "bthd,bpd->bthp", q_idx.astype(jnp.float32), pool_keys.astype(jnp.float32), precision=HIGHEST
+    )
+    scores = jnp.einsum(
+        "bth,bthp->btp", head_weights.astype(jnp.float32), jax.nn.relu(dots * scale), precision=HIGHEST
+    )
+    return jnp.where(scores == 0, 0.0, scores)  # -0.0 -> +0.0, so ranking sees one zero
+
+
+def select_tokens_reference(
+    q_idx, head_weights, pool_keys, key_valid, query_positions, *, index_topk, pool_size, select_tail=True
+):
+    """q_idx [B, T, nh, hd]; head_weights [B, T, nh] (already scaled by nh^-0.5); pool_keys [B, NP, hd]
+    (pool p starts at first_valid_key + p * pool_size); key_valid [B, S] bool; query_positions [B, T]
+    int32, each query's index on the key axis. Returns int32 [B, T, index_topk (+ pool_size - 1 when
+    select_tail)] of key indices, -1 padded."""
+    b, t = q_idx.shape[:2]
+    s = key_valid.shape[-1]
+    n_pools = pool_keys.shape[1]
+    width = index_topk + (pool_size - 1 if select_tail else 0)
+    first_key = first_valid_key(key_valid)
+    key_pos = jnp.arange(s, dtype=jnp.int32)
+    visible = key_valid[:, None, :] & (key_pos[None, None, :] <= query_positions[:, :, None])  # [B, T, S]
+    parts = []
+
+    n_select = min(index_topk // pool_size, n_pools)
+    if n_select > 0:
+        pool_valid = pool_validity(key_valid, n_pools, pool_size)
+        pool_end = jnp.clip(first_key[:, None] + (jnp.arange(n_pools) + 1) * pool_size - 1, 0, s - 1)
+        end_visible = jnp.take_along_axis(visible, jnp.broadcast_to(pool_end[:, None, :], (b, t, n_pools)), axis=-1)
+        candidate = pool_valid[:, None, :] & end_visible
+        scores = jnp.where(candidate, pool_scores(q_idx, head_weights, pool_keys), -jnp.inf)
+        _, chosen = jax.lax.top_k(scores, n_select)  # [B, T, n_select]
+        chosen_valid = jnp.take_along_axis(candidate, chosen, axis=-1)
+        tokens = first_key[:, None, None, None] + chosen[..., None] * pool_size + jnp.arange(pool_size)
+        tokens = jnp.where(chosen_valid[..., None], tokens, -1)
+        parts.append(tokens.reshape(b, t, n_select * pool_size))
+
+    if select_tail and pool_size > 1:
+        visible_count = visible.sum(-1, dtype=jnp.int32)
+        tail_count = visible_count % pool_size
+        offsets = jnp.arange(pool_size - 1, dtype=jnp.int32)
+        tail = (first_key[:, None] + visible_count - tail_count)[..., None] + offsets
+        tail_visible = jnp.take_along_axis(visible, jnp.clip(tail, 0, s - 1), axis=-1)
+        keep = (offsets < tail_count[..., None]) & (tail < s) & tail_visible
+        parts.append(jnp.where(keep, tail, -1))
+
+    indices = jnp.concatenate(parts, axis=-1) if parts else jnp.zeros((b, t, 0), jnp.int32)
+    indices = jnp.pad(indices, [(0, 0), (0, 0), (0, width - indices.shape[-1])], constant_values=-1)
+    query_valid = jnp.take_along_axis(key_valid, jnp.clip(query_positions, 0, s - 1), axis=-1)
+    return jnp.where(query_valid[..., None], indices, -1).astype(jnp.int32)
+
+
+def select_tokens(q_idx, head_weights, pool_keys, key_valid, query_positions, *, index_topk, pool_size, select_tail=True):
+    """Validated entry point; see `select_tokens_reference` for the arguments."""
+    b, t, nh, hd = q_idx.shape
+    s = key_valid.shape[-1] if key_valid.ndim == 2 else None
+    if head_weights.shape != (b, t, nh):
+        raise ValueError(f"head_weights must be [B, T, nh] = {(b, t, nh)}, got {head_weights.shape}")
+    if pool_keys.ndim != 3 or pool_keys.shape[0] != b or pool_keys.shape[2] != hd:
+        raise ValueError(f"pool_keys must be [B, n_pools, hd] = [{b}, n_pools, {hd}], got {pool_keys.shape}")
+    if key_valid.shape != (b, s):
+        raise ValueError(f"key_valid must be [B, S] with B = {b}, got {key_valid.shape}")
+    if query_positions.shape != (b, t):
+        raise ValueError(f"query_positions must be [B, T] = {(b, t)}, got {query_positions.shape}")
+    if pool_size < 1 or index_topk % pool_size:
+        raise ValueError(f"index_topk ({index_topk}) must be a positive multiple of pool_size ({pool_size})")
+    if pool_keys.shape[1] * pool_size > s:
+        raise ValueError(f"{pool_keys.shape[1]} pools of {pool_size} do not fit in {s} keys")
+    return select_tokens_reference(
+        q_idx, head_weights, pool_keys, key_valid, query_positions,
+        index_topk=index_topk, pool_size=pool_size, select_tail=select_tail,
+    )
