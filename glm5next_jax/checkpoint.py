@@ -55,6 +55,9 @@ class TensorFiles:
     def names(self):
         return self.file_of.keys()
 
+    def __contains__(self, name):
+        return name in self.file_of
+
     def shape(self, name):
         return tuple(self._handle(name).get_slice(name).get_shape())
 
@@ -68,37 +71,67 @@ class TensorFiles:
         return self._open[file]
 
 
-class _Reader:
-    """Takes tensors by (alternative) names, checking shapes; collects every problem for one error."""
+class ArraySource:
+    """In-memory tensors by name (numpy arrays), with the interface of TensorFiles."""
 
-    def __init__(self, files: TensorFiles, prefix: str, wanted: set[str]):
-        self.files, self.prefix = files, prefix
+    def __init__(self, arrays):
+        self.arrays = dict(arrays)
+
+    def names(self):
+        return self.arrays.keys()
+
+    def __contains__(self, name):
+        return name in self.arrays
+
+    def shape(self, name):
+        return tuple(self.arrays[name].shape)
+
+    def get(self, name):
+        return np.asarray(self.arrays[name])
+
+
+class Reader:
+    """Takes tensors by (alternative) names, checking shapes; collects every problem for one error.
+
+    Names are relative to `prefix`; a name starting with "/" is absolute (lm_head.weight).
+    """
+
+    def __init__(self, source, prefix: str = "", wanted=None):
+        self.source, self.prefix = source, prefix
+        wanted = set(source.names()) if wanted is None else wanted
         self.unused = set(wanted)
         self.missing: list[str] = []
         self.misshaped: list[str] = []
 
     def has(self, name):
-        return self.prefix + name in self.files.file_of
+        return self.prefix + name in self.source
+
+    def problems(self):
+        return (
+            [f"missing: {n}" for n in self.missing]
+            + [f"mis-shaped: {m}" for m in self.misshaped]
+            + [f"unexpected: {n}" for n in sorted(self.unused)]
+        )
 
     def take(self, names, shape):
         """First present name of `names` (text-relative), as fp32, or None (recorded as missing)."""
         names = [names] if isinstance(names, str) else names
         for name in names:
             full = self.prefix + name if not name.startswith("/") else name[1:]
-            if full in self.files.file_of:
+            if full in self.source:
                 self.unused.discard(full)
-                got = self.files.shape(full)
+                got = self.source.shape(full)
                 if got != tuple(shape):
                     self.misshaped.append(f"{full}: expected {tuple(shape)}, found {got}")
                     return None
-                return self.files.get(full).astype(np.float32)
+                return self.source.get(full).astype(np.float32)
         self.missing.append(self.prefix + names[0] if not names[0].startswith("/") else names[0][1:])
         return None
 
 
 def _detect_prefix(files: TensorFiles) -> str:
     for prefix in TEXT_PREFIXES:
-        if prefix + "embed_tokens.weight" in files.file_of:
+        if prefix + "embed_tokens.weight" in files:
             return prefix
     raise ValueError("no embed_tokens.weight under any known prefix " + str([p + "embed_tokens.weight" for p in TEXT_PREFIXES]))
 
@@ -107,7 +140,7 @@ def _t(x):
     return None if x is None else x.T
 
 
-def _kda(r: _Reader, L: str, c: Config):
+def read_kda(r: Reader, L: str, c: Config):
     d, ch, h, dk, k = c.hidden_size, c.kda_dim, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
     a = L + "self_attn."
     qkv = [r.take(a + f"{n}_proj.weight", (ch, d)) for n in "qkv"]
@@ -152,7 +185,7 @@ def absorb_o(o_proj, kv_b, c: Config):
     return np.einsum("dhv,hvr->hrd", w_o, w_v).reshape(heads * r, o_proj.shape[0])
 
 
-def _dsa(r: _Reader, L: str, c: Config, layer: int):
+def read_dsa(r: Reader, L: str, c: Config, layer: int):
     d, heads, ql, rank = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
     a = L + "self_attn."
     q_b = r.take(a + "q_b_proj.weight", (heads * c.qk_head_dim, ql))
@@ -182,7 +215,7 @@ def _dsa(r: _Reader, L: str, c: Config, layer: int):
     return out
 
 
-def _dense_mlp(r: _Reader, m: str, c: Config, intermediate: int):
+def read_dense_mlp(r: Reader, m: str, c: Config, intermediate: int):
     d = c.hidden_size
     gate = r.take(m + "gate_proj.weight", (intermediate, d))
     up = r.take(m + "up_proj.weight", (intermediate, d))
@@ -192,7 +225,7 @@ def _dense_mlp(r: _Reader, m: str, c: Config, intermediate: int):
     }
 
 
-def _moe(r: _Reader, L: str, c: Config):
+def read_moe(r: Reader, L: str, c: Config):
     d, e, i = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
     m = L + "mlp."
     if r.has(m + "experts.gate_up_proj"):
@@ -217,11 +250,11 @@ def _moe(r: _Reader, L: str, c: Config):
         "experts_down": down,
     }
     if c.n_shared_experts > 0:
-        out["shared"] = _dense_mlp(r, m + "shared_experts.", c, i * c.n_shared_experts)
+        out["shared"] = read_dense_mlp(r, m + "shared_experts.", c, i * c.n_shared_experts)
     return out
 
 
-def _hc(r: _Reader, L: str, site: str, c: Config):
+def read_hc(r: Reader, L: str, site: str, c: Config):
     width = (2 + c.hc_mult) * c.hc_mult
     return {
         "fn": _t(r.take([L + f"hc_{site}_fn", L + f"{site}_hc.fn"], (width, c.hc_mult * c.hidden_size))),
@@ -230,24 +263,24 @@ def _hc(r: _Reader, L: str, site: str, c: Config):
     }
 
 
-def _read_tree(r: _Reader, c: Config):
+def read_params(r: Reader, c: Config):
     layers = []
     for i in range(c.num_hidden_layers):
         L = f"layers.{i}."
         layers.append(
             {
-                "attn_hc": _hc(r, L, "attn", c),
-                "ffn_hc": _hc(r, L, "ffn", c),
+                "attn_hc": read_hc(r, L, "attn", c),
+                "ffn_hc": read_hc(r, L, "ffn", c),
                 "input_norm": r.take(L + "input_layernorm.weight", (c.hidden_size,)),
                 "post_attention_norm": r.take(L + "post_attention_layernorm.weight", (c.hidden_size,)),
-                "attn": _dsa(r, L, c, i) if c.layer_types[i] == DSA else _kda(r, L, c),
-                "mlp": _moe(r, L, c)
+                "attn": read_dsa(r, L, c, i) if c.layer_types[i] == DSA else read_kda(r, L, c),
+                "mlp": read_moe(r, L, c)
                 if c.mlp_layer_types[i] == "sparse"
-                else _dense_mlp(r, L + "mlp.", c, c.intermediate_size),
+                else read_dense_mlp(r, L + "mlp.", c, c.intermediate_size),
             }
         )
     embed = r.take("embed_tokens.weight", (c.vocab_size, c.hidden_size))
-    if c.tie_word_embeddings and "lm_head.weight" not in r.files.file_of:
+    if c.tie_word_embeddings and "lm_head.weight" not in r.source:
         lm_head = None if embed is None else embed.T
     else:
         lm_head = _t(r.take("/lm_head.weight", (c.vocab_size, c.hidden_size)))
@@ -284,10 +317,9 @@ def load_checkpoint(path, dtype="bfloat16"):
             skipped[reason] = skipped.get(reason, 0) + 1
         else:
             wanted.add(name)
-    reader = _Reader(files, prefix, wanted)
-    raw = _read_tree(reader, config)
-    problems = [f"missing: {n}" for n in reader.missing] + [f"mis-shaped: {m}" for m in reader.misshaped]
-    problems += [f"unexpected: {n}" for n in sorted(reader.unused)]
+    reader = Reader(files, prefix, wanted)
+    raw = read_params(reader, config)
+    problems = reader.problems()
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  " + "\n  ".join(problems))
     if skipped:

@@ -33,11 +33,13 @@ def pool_keys(k_idx, gate, ape, first_key, n_pools):
     left out of the softmax (a pool with none is zeros); whether a pool is valid is the selection's
     concern.
     """
-    s = k_idx.shape[1]
+    b, s, hd = k_idx.shape
     pool_size = ape.shape[0]
+    if n_pools == 0:
+        return jnp.zeros((b, 0, hd), k_idx.dtype)
     idx = pool_token_indices(first_key, n_pools, pool_size)  # [B, NP, P]
     exists = idx < s
-    flat = jnp.clip(idx, 0, s - 1).reshape(idx.shape[0], -1, 1)
+    flat = jnp.clip(idx, 0, s - 1).reshape(b, -1, 1)
     keys = jnp.take_along_axis(k_idx, flat, axis=1).reshape(*idx.shape, -1)
     logits = jnp.take_along_axis(gate, flat, axis=1).reshape(*idx.shape, -1).astype(jnp.float32)
     logits = jnp.where(exists[..., None], logits + ape.astype(jnp.float32), -jnp.inf)

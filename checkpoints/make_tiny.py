@@ -1,0 +1,103 @@
+"""Make the small HF-format GLM-5-Next checkpoints with transformers (run in the reference env).
+
+    python checkpoints/make_tiny.py checkpoints/glm5next-tiny
+
+transformers' own initialisation leaves several parameters at constants (ape zeros, compress gate
+ones, router bias zeros, A_log zeros, mHC base zeros and scale ones); `randomise_special` draws
+them at random so that every code path carries a signal. Weights are stored in bf16 like the
+released checkpoint. `tiny_text_config(**overrides)` is shared with tests/reference/make_goldens.py.
+"""
+
+import argparse
+import json
+import math
+import os
+
+import torch
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+# Structure of the released model at toy width: 8 layers (DSA at 3 and 7), 3 dense MLP layers,
+# 4 mHC streams, pool size 4, top-k 32 tokens (8 pools) so that sequences past 35 tokens are sparse.
+TINY_TEXT = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=32,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    kv_lora_rank=64,
+    q_lora_rank=96,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    index_topk=32,
+    index_head_dim=32,
+    index_n_heads=16,
+    index_kpool=4,
+    linear_num_heads=4,
+    linear_head_dim=32,
+    pad_token_id=0,
+    eos_token_id=1,
+    initializer_range=0.06,
+)
+TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=128,
+                   projection_intermediate_size=32)
+
+
+def tiny_text_config(**overrides):
+    return {**TINY_TEXT, **overrides}
+
+
+@torch.no_grad()
+def randomise_special(model, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(t, lo, hi):
+        t.copy_(lo + (hi - lo) * torch.rand(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
+
+    for name, p in model.named_parameters():
+        if "index_kpool_compress_ape" in name:
+            draw(p, -1.0, 1.0)
+        elif "index_kpool_compress_gate" in name:
+            draw(p, -0.3, 0.3)
+        elif name.endswith("A_log"):
+            draw(p, math.log(0.5), math.log(4.0))
+        elif name.endswith("_hc.base"):
+            draw(p, -1.0, 1.0)
+        elif name.endswith("_hc.scale"):
+            draw(p, 0.5, 1.5)
+        elif name.endswith("o_norm.weight") or name.endswith("layernorm.weight") or name.endswith("k_norm.weight"):
+            draw(p, 0.7, 1.3)
+        elif name.endswith("k_norm.bias"):
+            draw(p, -0.2, 0.2)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            draw(b, -0.1, 0.1)
+
+
+def build(text_overrides=None, seed=0):
+    config = Glm5NextConfig(text_config=tiny_text_config(**(text_overrides or {})), vision_config=TINY_VISION)
+    torch.manual_seed(seed)
+    model = Glm5NextForConditionalGeneration(config).eval()
+    randomise_special(model, seed + 1)
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overrides", default="{}", help="JSON dict of text-config overrides")
+    args = parser.parse_args()
+    model = build(json.loads(args.overrides), args.seed).to(torch.bfloat16)
+    os.makedirs(args.out, exist_ok=True)
+    model.save_pretrained(args.out, max_shard_size="1MB")
+    n = sum(p.numel() for k, p in model.state_dict().items() if "visual" not in k)
+    print(f"wrote {args.out}: {n} text parameters")
+
+
+if __name__ == "__main__":
+    main()

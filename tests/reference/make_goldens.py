@@ -1,0 +1,274 @@
+"""Golden outputs from transformers' glm5_next (the ground truth), for the parity tests.
+
+Runs in the reference env (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0):
+
+    python tests/reference/make_goldens.py OUT_DIR
+
+Writes OUT_DIR/models/<name>/ (HF checkpoints of the variant configs), OUT_DIR/cases/<case>.npz
+(input ids, mask, fp32 logits, model name) and OUT_DIR/layers/<name>.npz (each module alone:
+its state dict under the decoder-layer names, inputs and outputs), then OUT_DIR/manifest.json last,
+so an interrupted run is never mistaken for a complete one.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import Glm5NextForConditionalGeneration
+from transformers.models.glm5_next import modeling_glm5_next as hf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
+from make_tiny import build  # noqa: E402
+
+SHIPPED = os.path.join(ROOT, "checkpoints", "glm5next-tiny")
+
+# Variant models: text-config overrides of checkpoints/make_tiny.py's tiny config.
+VARIANTS = {
+    # Two DSA layers in a row, the second reusing the first's selection ("shared").
+    "shared": dict(
+        num_hidden_layers=6,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention"] * 2,
+        indexer_types=["full", "full", "shared", "full", "full", "shared"],
+    ),
+    # Group-limited routing: 4 groups of 4 experts, the best 2 groups kept.
+    "groups": dict(n_group=4, topk_group=2),
+    # Pool size 16: top-k 64 tokens = 4 pools, tails up to 15 tokens.
+    "kpool16": dict(index_kpool=16, index_topk=64),
+    # No gate lower bound: the softplus forget gate.
+    "nobound": dict(linear_lower_bound=None),
+}
+
+
+# A discrete choice (experts of a token, pools of a query) whose last kept and first dropped
+# candidates score closer than this can flip under fp32 rounding alone, and an exact tie is broken
+# in an implementation-defined order; inputs that produce one are re-drawn.
+MIN_DECISION_MARGIN = 1e-5
+
+
+def _boundary_gap(scores, k, rows):
+    """Gap between the k-th and (k+1)-th best score of each selected row (rows with > k candidates)."""
+    finite = torch.isfinite(scores) & (scores > torch.finfo(scores.dtype).min)
+    rows = rows & (finite.sum(-1) > k)
+    if not rows.any():
+        return float("inf")
+    top = scores[rows].topk(k + 1, dim=-1).values
+    return float((top[:, k - 1] - top[:, k]).min())
+
+
+def _indexer_scores(indexer, hidden, q_resid, mask):
+    """The indexer's pool scores with non-candidates at -inf, recomputed with the module's own parts."""
+    b, t = hidden.shape[:2]
+    q = indexer.wq_b(q_resid).view(b, t, -1, indexer.head_dim)
+    k = indexer.k_norm(indexer.wk(hidden))
+    gate = torch.nn.functional.linear(hidden, indexer.index_kpool_compress_gate)
+    packed = torch.cat([k, gate, mask.to(k.dtype)[..., None]], dim=-1)
+    visible = indexer.get_visible_tokens(mask, t, t)
+    pool_keys, pool_indices, pool_valid = indexer.get_pooled_states(packed)
+    scores = torch.relu(torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
+    weights = indexer.weights_proj(hidden).float() * indexer.n_heads**-0.5
+    scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    ends = pool_indices[..., -1].clamp(0, t - 1)
+    candidate = visible.gather(-1, ends[:, None, :].expand(b, t, -1)) & pool_valid[:, None]
+    return scores.masked_fill(~candidate, float("-inf"))
+
+
+@torch.no_grad()
+def min_decision_margin(model, ids, mask):
+    """Smallest boundary gap over every router and indexer decision of the real tokens."""
+    gaps = []
+    real = mask.bool()
+
+    def router_hook(router, args, output):
+        choice = torch.sigmoid(output[0]) + router.e_score_correction_bias
+        gaps.append(_boundary_gap(choice, router.top_k, real.reshape(-1)))
+
+    def indexer_hook(indexer, args, kwargs, output):
+        scores = _indexer_scores(indexer, kwargs["hidden_states"], kwargs["q_resid"], kwargs["attention_mask"])
+        gaps.append(_boundary_gap(scores, indexer.index_topk // indexer.index_kpool, real))
+
+    handles = [m.register_forward_hook(router_hook) for m in model.modules() if isinstance(m, hf.Glm5NextTextTopkRouter)]
+    handles += [
+        m.register_forward_hook(indexer_hook, with_kwargs=True)
+        for m in model.modules()
+        if isinstance(m, hf.Glm5NextTextIndexer)
+    ]
+    model(input_ids=ids, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    return min(gaps, default=float("inf"))
+
+
+def draw_ids(gen, model, mask):
+    """Random ids (never 0/1: pad and eos) whose routing and token selection have no near-ties."""
+    vocab = model.config.text_config.vocab_size
+    for _ in range(50):
+        ids = torch.randint(2, vocab, tuple(mask.shape), generator=gen)
+        if min_decision_margin(model, ids, mask) > MIN_DECISION_MARGIN:
+            return ids
+    raise RuntimeError("could not draw inputs without near-ties in routing or token selection")
+
+
+def padded_mask(lengths, total, side):
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if side == "left":
+            mask[row, total - n :] = 1
+        else:
+            mask[row, :n] = 1
+    return mask
+
+
+@torch.no_grad()
+def logits_of(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).logits.float().numpy()
+
+
+def save_case(out, name, model_name, model, ids, mask, bf16_model=None):
+    """fp32 logits, and transformers' own bf16 logits when a bf16 copy of the model is given."""
+    extra = {} if bf16_model is None else {"logits_bf16": logits_of(bf16_model, ids, mask)}
+    np.savez(
+        os.path.join(out, "cases", name + ".npz"),
+        ids=ids.numpy(), mask=mask.numpy(), logits=logits_of(model, ids, mask), model=model_name, **extra,
+    )
+    return name
+
+
+def model_cases(out):
+    cases = []
+    gen = torch.Generator().manual_seed(1234)
+    base = Glm5NextForConditionalGeneration.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    base_bf16 = Glm5NextForConditionalGeneration.from_pretrained(SHIPPED, dtype=torch.bfloat16).eval()
+    ones = lambda b, t: torch.ones(b, t, dtype=torch.long)  # noqa: E731
+
+    def case(name, model_name, model, mask):
+        bf16 = base_bf16 if model is base else None
+        cases.append(save_case(out, name, model_name, model, draw_ids(gen, model, mask), mask, bf16))
+
+    # Dense regime: 35 = index_topk + pool - 1 visible tokens at most, so DSA equals dense attention.
+    case("tiny_dense", "shipped", base, ones(2, 35))
+    # Sparse regime: 150 tokens = 2 KDA chunks + 22, 37 pools + a 2-token tail, 8 pools selected.
+    case("tiny_sparse", "shipped", base, ones(1, 150))
+    case("tiny_left_pad", "shipped", base, padded_mask([100, 73, 41], 100, "left"))
+    case("tiny_right_pad", "shipped", base, padded_mask([100, 66, 38], 100, "right"))
+    case("tiny_one_token", "shipped", base, ones(2, 1))
+
+    # The shipped checkpoint again, in transformers' in-memory naming (a state_dict, two shards).
+    inmem = os.path.join(out, "models", "shipped-inmemory")
+    os.makedirs(inmem, exist_ok=True)
+    state = {k: v.contiguous() for k, v in base.state_dict().items() if "visual" not in k}
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, os.path.join(inmem, file))
+    with open(os.path.join(inmem, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}, f)
+    base.config.save_pretrained(inmem)
+
+    for seed, (name, overrides) in enumerate(VARIANTS.items(), start=10):
+        model = build(overrides, seed=seed)
+        model.save_pretrained(os.path.join(out, "models", name))
+        length = 200 if name == "kpool16" else 120
+        case(f"{name}_left_pad", name, model, padded_mask([length, length - 37], length, "left"))
+        case(f"{name}_right_pad", name, model, padded_mask([length - 29, length], length, "right"))
+    return cases
+
+
+def state_of(module, prefix):
+    return {prefix + k: v.detach().float().numpy() for k, v in module.state_dict().items()}
+
+
+def save_layer(out, name, text_config, **arrays):
+    arrays = {k: (v.numpy() if torch.is_tensor(v) and v.dtype == torch.bool else v.detach().float().numpy() if torch.is_tensor(v) else v) for k, v in arrays.items()}
+    np.savez(os.path.join(out, "layers", name + ".npz"), config=json.dumps(text_config.to_dict()), **arrays)
+    return name
+
+
+def dsa_case(out, name, model, randn):
+    tc = model.config.text_config
+    dsa = model.model.language_model.layers[3].self_attn
+    h = randn(3, 150, tc.hidden_size)
+    mask = padded_mask([150, 111, 60], 150, "left").bool()
+    mask[2] = padded_mask([77], 150, "right")[0].bool()
+    q_resid = dsa.q_a_layernorm(dsa.q_a_proj(h))
+    topk = dsa.indexer(h, q_resid, mask, None)
+    return save_layer(out, name, tc, h=h, mask=mask, y=dsa(h, mask)[0], topk=topk.numpy(), **state_of(dsa, "self_attn."))
+
+
+def moe_case(out, name, model, randn):
+    tc = model.config.text_config
+    moe = model.model.language_model.layers[4].mlp
+    x = randn(3, 90, tc.hidden_size, scale=3.0)
+    _, weights, experts = moe.gate(x)
+    return save_layer(out, name, tc, x=x, y=moe(x), route_weights=weights, route_experts=experts.numpy(), **state_of(moe, "mlp."))
+
+
+@torch.no_grad()
+def layer_cases(out):
+    gen = torch.Generator().manual_seed(99)
+    randn = lambda *shape, scale=1.0: scale * torch.randn(*shape, generator=gen)  # noqa: E731
+    model = build(seed=50)
+    tc = model.config.text_config
+    lm = model.model.language_model
+    b, t, d = 3, 90, tc.hidden_size
+    mask = padded_mask([90, 61, 30], t, "left").bool()
+    mask[2] = padded_mask([47], t, "right")[0].bool()
+    layers = []
+
+    x = randn(b, t, d, scale=3.0)
+    layers.append(save_layer(out, "rms_norm", tc, x=x, y=lm.norm(x), weight=lm.norm.weight))
+    ln = lm.layers[3].self_attn.indexer.k_norm
+    x = randn(b, t, tc.index_head_dim, scale=2.0) + 0.5
+    layers.append(save_layer(out, "layer_norm", tc, x=x, y=ln(x), weight=ln.weight, bias=ln.bias))
+    x = randn(b, t, d, scale=20.0)  # large enough that the SwiGLU clamps engage
+    layers.append(save_layer(out, "dense_mlp", tc, x=x, y=lm.layers[0].mlp(x), **state_of(lm.layers[0].mlp, "mlp.")))
+    layers.append(moe_case(out, "moe", model, randn))
+    layers.append(moe_case(out, "moe_groups", build(VARIANTS["groups"], seed=51), randn))
+    streams = randn(b, t, tc.hc_mult, d)
+    post, comb, collapsed = lm.layers[0].attn_hc(streams)
+    layers.append(save_layer(out, "hc", tc, streams=streams, post=post, comb=comb, collapsed=collapsed, **state_of(lm.layers[0].attn_hc, "attn_hc.")))
+
+    kda = lm.layers[0].self_attn
+    h = randn(b, t, d)
+    layers.append(save_layer(out, "kda_layer", tc, h=h, mask=mask, y=kda(h, attention_mask=mask), **state_of(kda, "self_attn.")))
+    layers.append(save_layer(out, "kda_layer_unmasked", tc, h=h, y=kda(h), **state_of(kda, "self_attn.")))
+    heads, dk = 3, 32
+    for name, length in (("kda_core", 130), ("kda_core_short", 5)):
+        q, k, v = randn(2, length, heads, dk), randn(2, length, heads, dk), randn(2, length, heads, dk)
+        g = -5.0 * torch.sigmoid(randn(2, length, heads, dk, scale=2.0))
+        beta = torch.sigmoid(randn(2, length, heads))
+        s0 = randn(2, heads, dk, dk)
+        kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_chunk, s_chunk = hf.chunk_kimi_delta_attention(q, k, v, g, beta, **kw)
+        o_rec, s_rec = hf.recurrent_kimi_delta_attention(q, k, v, g, beta, **kw)
+        layers.append(save_layer(out, name, tc, q=q, k=k, v=v, g=g, beta=beta, s0=s0, o_chunk=o_chunk,
+                                 s_chunk=s_chunk, o_recurrent=o_rec, s_recurrent=s_rec))
+
+    layers.append(dsa_case(out, "dsa_layer", model, randn))
+    layers.append(dsa_case(out, "dsa_layer_kpool16", build(VARIANTS["kpool16"], seed=52), randn))
+    return layers
+
+
+def main():
+    out = sys.argv[1]
+    for sub in ("cases", "layers", "models"):
+        os.makedirs(os.path.join(out, sub), exist_ok=True)
+    manifest = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cases": model_cases(out),
+        "layers": layer_cases(out),
+    }
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    print(f"goldens in {out}: {len(manifest['cases'])} model cases, {len(manifest['layers'])} layer cases "
+          f"(torch {torch.__version__}, transformers {transformers.__version__})")
+
+
+if __name__ == "__main__":
+    main()
