@@ -7,8 +7,10 @@ Per head, with state S [dk, dv] in fp32, for each token t:
 q and k are L2-normalised here (x / sqrt(sum x^2 + 1e-6), in fp32) and q is scaled by dk^-0.5,
 as transformers' `use_qk_l2norm_in_kernel=True` does.
 
-`kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form
-used for decode. Both are pure jnp here and are the oracles of the Pallas kernels.
+`kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form;
+`kda_decode_step` one token per sequence with everything around the core fused in (the short conv
+and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions are pure jnp and are
+the oracles of the Pallas kernels.
 """
 
 import jax
@@ -17,6 +19,40 @@ from jax.scipy.linalg import solve_triangular
 
 HIGHEST = jax.lax.Precision.HIGHEST
 L2_EPS = 1e-6
+
+
+def causal_short_conv(x, weight, conv_state=None):
+    """Depthwise causal conv over time, then SiLU, computed in the weight's dtype (fp32).
+
+    x [B, T, *C]; weight [K, *C]; conv_state [B, *C, K]: the last K inputs before x (zeros if None),
+    oldest first, as transformers keeps it. Returns (y [B, T, *C] in x.dtype, the new conv_state:
+    the last K inputs of state + x, in x.dtype).
+    """
+    kernel = weight.shape[0]
+    t = x.shape[1]
+    if conv_state is None:
+        history = jnp.zeros((x.shape[0], kernel, *x.shape[2:]), weight.dtype)
+    else:
+        history = jnp.moveaxis(conv_state, -1, 1).astype(weight.dtype)  # [B, K, *C]
+    padded = jnp.concatenate([history, x.astype(weight.dtype)], axis=1)  # [B, K + T, *C]
+    y = sum(padded[:, 1 + j : 1 + j + t] * weight[j] for j in range(kernel))
+    new_state = jnp.moveaxis(padded[:, t:], 1, -1).astype(x.dtype)
+    return jax.nn.silu(y).astype(x.dtype), new_state
+
+
+def forget_gate(f, dt_bias, a_log, *, lower_bound):
+    """Per-channel log decay g [..., H, dk] in fp32 from the gate projection f [..., H * dk].
+
+    lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), one rate exp(A_log) per head shared by its
+    channels; without a lower bound, -exp(A_log) * softplus(f + dt_bias).
+    """
+    heads = a_log.shape[0]
+    f = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    f = f.reshape(*f.shape[:-1], heads, -1)
+    rate = jnp.exp(a_log.astype(jnp.float32))[:, None]
+    if lower_bound is not None:
+        return lower_bound * jax.nn.sigmoid(rate * f)
+    return -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(f)))
 
 
 def l2_normalise(x):
@@ -50,7 +86,7 @@ def _prepare(q, k, v, g, beta, initial_state):
     return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), state
 
 
-def kda_recurrent(q, k, v, g, beta, initial_state=None):
+def kda_recurrent_reference(q, k, v, g, beta, initial_state=None):
     """Token-by-token KDA. q, k [B, T, H, dk], v [B, T, H, dv], g [B, T, H, dk] (log decay, fp32),
     beta [B, T, H]. Returns (o [B, T, H, dv] in q.dtype, final_state [B, H, dk, dv] fp32)."""
     _check_inputs(q, k, v, g, beta, initial_state)
@@ -70,8 +106,8 @@ def kda_recurrent(q, k, v, g, beta, initial_state=None):
     return jnp.moveaxis(o, 0, 1).astype(out_dtype), state
 
 
-def kda_chunk_scan(q, k, v, g, beta, initial_state=None, *, chunk_size=64):
-    """Chunked (WY) KDA, same arguments and results as `kda_recurrent`.
+def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size=64):
+    """Chunked (WY) KDA, same arguments and results as `kda_recurrent_reference`.
 
     Within a chunk the delta rule's triangular system is solved exactly; chunks are scanned in
     order, carrying the fp32 state. Pairwise decays exp(G_i - G_j) are formed per channel (never
@@ -122,3 +158,37 @@ def kda_chunk_scan(q, k, v, g, beta, initial_state=None, *, chunk_size=64):
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, dv]
     o = jnp.moveaxis(o, 2, 3).reshape(b, n_chunks * c, h, dv)[:, :t]
     return o.astype(out_dtype), state
+
+
+def kda_decode_step_reference(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound):
+    """One token per sequence, fused: conv-state update, SiLU, L2 norm, gate, beta, state update, output.
+
+    qkv [B, 3, C] (the token's q, k, v projections before the conv), conv_state [B, 3, C, K],
+    conv_weight [K, 3, C] fp32, f [B, C] (f_b(f_a(h)), before dt_bias), dt_bias [C], a_log [H],
+    beta_logits [B, H] (b_proj(h)), state [B, H, dk, dv] fp32.
+    Returns (o [B, H, dv] in qkv.dtype, new conv_state, new state).
+    """
+    heads = a_log.shape[0]
+    y, conv_state = causal_short_conv(qkv[:, None], conv_weight, conv_state)
+    q, k, v = (y[:, :, i].reshape(y.shape[0], 1, heads, -1) for i in range(3))
+    g = forget_gate(f[:, None], dt_bias, a_log, lower_bound=lower_bound)
+    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))[:, None]
+    o, state = kda_recurrent_reference(q, k, v, g, beta, state)
+    return o[:, 0], conv_state, state
+
+
+def kda_chunk_scan(q, k, v, g, beta, initial_state=None, *, chunk_size=64):
+    """Chunked KDA for prefill; see `kda_chunk_scan_reference`."""
+    return kda_chunk_scan_reference(q, k, v, g, beta, initial_state, chunk_size=chunk_size)
+
+
+def kda_recurrent(q, k, v, g, beta, initial_state=None):
+    """Token-by-token KDA; see `kda_recurrent_reference`."""
+    return kda_recurrent_reference(q, k, v, g, beta, initial_state)
+
+
+def kda_decode_step(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound):
+    """Fused single-token KDA; see `kda_decode_step_reference`."""
+    return kda_decode_step_reference(
+        qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, lower_bound=lower_bound
+    )

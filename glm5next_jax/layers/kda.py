@@ -14,38 +14,6 @@ from pallas_kernels import kda as kda_core
 from .common import linear
 
 
-def causal_conv(x, weight, conv_state=None):
-    """Depthwise causal conv over time, then SiLU, in the weight's dtype (fp32), returned in x.dtype.
-
-    x [B, T, *C]; weight [K, *C]; conv_state [B, K-1, *C] holds the inputs before x (zeros if None).
-    Returns (y [B, T, *C], new conv_state [B, K-1, *C]: the last K-1 inputs, state included).
-    """
-    kernel = weight.shape[0]
-    history = (
-        jnp.zeros((x.shape[0], kernel - 1, *x.shape[2:]), weight.dtype)
-        if conv_state is None
-        else conv_state.astype(weight.dtype)
-    )
-    padded = jnp.concatenate([history, x.astype(weight.dtype)], axis=1)
-    t = x.shape[1]
-    y = sum(padded[:, j : j + t] * weight[j] for j in range(kernel))
-    return jax.nn.silu(y).astype(x.dtype), padded[:, t:]
-
-
-def forget_gate(p, h, config):
-    """Per-channel log decay g [B, T, H, dk] in fp32: lower_bound * sigmoid(exp(A_log) * (f + dt_bias)).
-
-    Without a lower bound: -exp(A_log) * softplus(f + dt_bias).
-    """
-    heads, head_dim = config.linear_num_heads, config.linear_head_dim
-    f = linear(linear(h, p["f_a"]), p["f_b"]).astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
-    f = f.reshape(*f.shape[:-1], heads, head_dim)
-    rate = jnp.exp(p["A_log"].astype(jnp.float32))[:, None]  # one rate per head, shared by its channels
-    if config.linear_lower_bound is not None:
-        return config.linear_lower_bound * jax.nn.sigmoid(rate * f)
-    return -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(f)))
-
-
 def gated_rms_norm(o, gate, weight, eps):
     """RMSNorm over head_dim, weighted, times sigmoid(gate); fp32 throughout, cast to o.dtype."""
     o32 = o.astype(jnp.float32)
@@ -56,13 +24,20 @@ def gated_rms_norm(o, gate, weight, eps):
 def kda_inputs(p, h, config, conv_state=None):
     """The KDA core's inputs from the normalised hidden state h [B, T, D].
 
-    Returns (q, k, v [B, T, H, d], g [B, T, H, dk] fp32, beta [B, T, H], new conv_state).
+    conv_state [B, 3, C, K] holds the inputs before h (None: zeros). Returns (q, k, v [B, T, H, d],
+    g [B, T, H, dk] fp32, beta [B, T, H], new conv_state).
     """
     heads, head_dim = config.linear_num_heads, config.linear_head_dim
-    qkv, conv_state = causal_conv(linear(h, p["qkv_proj"]), p["conv"], conv_state)
+    qkv, conv_state = kda_core.causal_short_conv(linear(h, p["qkv_proj"]), p["conv"], conv_state)
     q, k, v = (qkv[..., i, :].reshape(*qkv.shape[:-2], heads, head_dim) for i in range(3))
     beta = jax.nn.sigmoid(linear(h, p["b_proj"]))
-    return q, k, v, forget_gate(p, h, config), beta, conv_state
+    return q, k, v, gate_log_decay(p, h, config), beta, conv_state
+
+
+def gate_log_decay(p, h, config):
+    """The forget gate's per-channel log decay g [B, T, H, dk] (fp32) from h."""
+    f = linear(linear(h, p["f_a"]), p["f_b"])
+    return kda_core.forget_gate(f, p["dt_bias"], p["A_log"], lower_bound=config.linear_lower_bound)
 
 
 def kda_output(p, h, o, config):
