@@ -14,24 +14,32 @@ from .layers.kda import kda_layer
 from .layers.mlp import dense_mlp, moe
 
 
-def decoder_layer(p, streams, config: Config, layer: int, padding_mask, shared_indices):
+def decoder_layer(p, streams, config: Config, layer: int, attend):
     """One layer: mHC around the attention sublayer, then around the MLP sublayer.
 
-    Returns (streams, selected indices when this is a full DSA layer, else None).
+    attend(attn_params, h) -> (y, aux) runs the attention sublayer (cached or not, KDA or DSA);
+    returns (streams, aux).
     """
     pre, post, comb = hyper.mapping(p["attn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["input_norm"], config.rms_norm_eps)
-    indices = None
-    if config.layer_types[layer] == DSA:
-        y, indices = dsa_layer(p["attn"], h, config, padding_mask, shared_indices)
-    else:
-        y = kda_layer(p["attn"], h, config, padding_mask)
+    y, aux = attend(p["attn"], h)
     streams = hyper.expand(post, comb, y, streams)
 
     pre, post, comb = hyper.mapping(p["ffn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["post_attention_norm"], config.rms_norm_eps)
     y = moe(p["mlp"], h, config) if config.mlp_layer_types[layer] == "sparse" else dense_mlp(p["mlp"], h, config)
-    return hyper.expand(post, comb, y, streams), indices
+    return hyper.expand(post, comb, y, streams), aux
+
+
+def uncached_attention(config: Config, layer: int, padding_mask, shared_indices):
+    """The attention sublayer of a whole-sequence forward; aux is the DSA selection (or None)."""
+
+    def attend(p, h):
+        if config.layer_types[layer] == DSA:
+            return dsa_layer(p, h, config, padding_mask, shared_indices)
+        return kda_layer(p, h, config, padding_mask), None
+
+    return attend
 
 
 def final_logits(params, streams, config: Config):
@@ -51,7 +59,7 @@ def _forward(params, config: Config, input_ids, attention_mask):
     streams = embed(params, input_ids, config)
     indices = None
     for i, p in enumerate(params["layers"]):
-        streams, indices = decoder_layer(p, streams, config, i, padding_mask, indices)
+        streams, indices = decoder_layer(p, streams, config, i, uncached_attention(config, i, padding_mask, indices))
     return final_logits(params, streams, config)
 
 

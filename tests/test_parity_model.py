@@ -25,7 +25,7 @@ def run_case(goldens, case, dtype="float32", **config_changes):
 
 
 def test_manifest_lists_every_case(manifest):
-    assert sorted(manifest["cases"]) == sorted(MODEL_CASES)
+    assert sorted(manifest["cases"]) == sorted(MODEL_CASES + ["generate"])
     assert manifest["transformers"] == "5.23.0" and manifest["torch"].startswith("2.13.0")
 
 

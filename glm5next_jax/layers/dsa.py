@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.latent_attention import sparse_latent_attention
 from pallas_kernels.select_tokens import first_valid_key, pool_token_indices, select_tokens
 
+from ..cache import read_latents, read_pages, write_latents, write_pages
 from .common import layer_norm, linear, rms_norm
 
 INDEXER_NORM_EPS = 1e-6
@@ -26,25 +27,26 @@ def indexer_keys(p, h):
     return k_idx, linear(h, p["compress_gate"])
 
 
-def pool_keys(k_idx, gate, ape, first_key, n_pools):
-    """pool_key[p] = sum_j softmax_j(gate_j + ape_j) * k_j over the P tokens of pool p, per channel.
+def pool_key_of(keys, gate, ape):
+    """keys, gate [..., P, hd] -> [..., hd]: sum_j softmax_j(gate_j + ape_j) * k_j, per channel."""
+    logits = gate.astype(jnp.float32) + ape.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-2).astype(keys.dtype)
+    return jnp.sum(probs * keys, axis=-2)
 
-    k_idx, gate [B, S, hd]; ape [P, hd]; first_key [B] (pools start there). Positions past S are
-    left out of the softmax (a pool with none is zeros); whether a pool is valid is the selection's
-    concern.
+
+def pool_keys(k_idx, gate, ape, first_key, n_pools):
+    """Keys of the first n_pools pools of a whole sequence; pool p starts at first_key + p * P.
+
+    k_idx, gate [B, S, hd]; ape [P, hd]; first_key [B]. A pool reaching past S repeats the last
+    token; it is never valid, and validity is the selection's concern.
     """
     b, s, hd = k_idx.shape
-    pool_size = ape.shape[0]
     if n_pools == 0:
         return jnp.zeros((b, 0, hd), k_idx.dtype)
-    idx = pool_token_indices(first_key, n_pools, pool_size)  # [B, NP, P]
-    exists = idx < s
-    flat = jnp.clip(idx, 0, s - 1).reshape(b, -1, 1)
-    keys = jnp.take_along_axis(k_idx, flat, axis=1).reshape(*idx.shape, -1)
-    logits = jnp.take_along_axis(gate, flat, axis=1).reshape(*idx.shape, -1).astype(jnp.float32)
-    logits = jnp.where(exists[..., None], logits + ape.astype(jnp.float32), -jnp.inf)
-    probs = jnp.nan_to_num(jax.nn.softmax(logits, axis=2)).astype(k_idx.dtype)
-    return jnp.sum(probs * keys, axis=2)
+    idx = pool_token_indices(first_key, n_pools, ape.shape[0]).reshape(b, -1, 1)
+    flat = jnp.clip(idx, 0, s - 1)
+    group = lambda x: jnp.take_along_axis(x, flat, axis=1).reshape(b, n_pools, ape.shape[0], hd)  # noqa: E731
+    return pool_key_of(group(k_idx), group(gate), ape)
 
 
 def indexer_head_weights(p, h):
@@ -99,3 +101,62 @@ def dsa_layer(p, h, config, key_valid, shared_indices=None):
         latent_query(p, q_resid, config), latents, indices, scale=config.qk_head_dim**-0.5
     )
     return latent_output(p, o_lat), indices
+
+
+def complete_pools(layer_cache, page_table, ape, start, end, n_new):
+    """Pool keys of the pools the new tokens complete (end of pool in (start, end]), written once.
+
+    At most n_new // P + 1 pools complete per call; each is read back from the paged indexer cache.
+    """
+    pool_keys_cache = layer_cache["pool_keys"]
+    b, max_pools, hd = pool_keys_cache.shape
+    size = ape.shape[0]
+    pool = start[:, None] // size + jnp.arange(n_new // size + 1)  # [B, J] candidate pools
+    done = ((pool + 1) * size <= end[:, None]) & ((pool + 1) * size > start[:, None]) & (pool < max_pools)
+    positions = (pool[..., None] * size + jnp.arange(size)).reshape(b, -1)
+    positions = jnp.where(jnp.repeat(done, size, axis=1), positions, 0)
+    group = lambda x: read_pages(x, page_table, positions).reshape(b, -1, size, hd)  # noqa: E731
+    keys = pool_key_of(group(layer_cache["index_k"]), group(layer_cache["index_gate"]), ape)
+    batch = jnp.arange(b)[:, None]
+    return pool_keys_cache.at[batch, jnp.where(done, pool, max_pools)].set(keys.astype(pool_keys_cache.dtype), mode="drop")
+
+
+def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared_indices=None):
+    """DSA over new tokens appended to the cache. h [B, T, D]; start [B] tokens already cached;
+    valid [B, T] marks each row's new tokens (a prefix). Returns (y, new layer cache, indices)."""
+    b, t = h.shape[:2]
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
+    end = start + valid.sum(-1, dtype=jnp.int32)
+    q_resid = rms_norm(linear(h, p["q_a_proj"]), p["q_a_norm"], config.rms_norm_eps)
+    latents = rms_norm(linear(h, p["kv_a_proj"]), p["kv_a_norm"], config.rms_norm_eps)
+    lc = write_latents(layer_cache, page_table, positions, valid, latents)
+    if "indexer" in p:
+        ip = p["indexer"]
+        k_idx, gate = indexer_keys(ip, h)
+        lc["index_k"] = write_pages(lc["index_k"], page_table, positions, valid, k_idx)
+        lc["index_gate"] = write_pages(lc["index_gate"], page_table, positions, valid, gate)
+        lc["pool_keys"] = complete_pools(lc, page_table, ip["ape"], start, end, t)
+        lc["indexer_length"] = end
+        max_len = page_table.shape[1] * lc["latent"].shape[1]
+        key_valid = jnp.arange(max_len)[None] < end[:, None]
+        indices = select_tokens(
+            indexer_queries(ip, q_resid, config),
+            indexer_head_weights(ip, h),
+            lc["pool_keys"],
+            key_valid,
+            positions,
+            index_topk=config.index_topk,
+            pool_size=config.index_kpool,
+            select_tail=config.index_kpool_always_select_tail,
+        )
+        last = jnp.clip(end - start - 1, 0, t - 1)
+        rows = jnp.take_along_axis(indices, last[:, None, None], axis=1)[:, 0]
+        rows = jnp.pad(rows, [(0, 0), (0, lc["selected"].shape[1] - rows.shape[1])], constant_values=-1)
+        lc["selected"] = jnp.where((end > start)[:, None], rows, lc["selected"])
+    elif shared_indices is None:
+        raise ValueError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
+    else:
+        indices = shared_indices
+    cached = read_latents(lc, page_table, h.dtype)
+    o_lat = sparse_latent_attention(latent_query(p, q_resid, config), cached, indices, scale=config.qk_head_dim**-0.5)
+    return latent_output(p, o_lat), lc, indices

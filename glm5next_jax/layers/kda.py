@@ -54,3 +54,44 @@ def kda_layer(p, h, config, padding_mask=None):
     q, k, v, g, beta, _ = kda_inputs(p, h, config)
     o, _ = kda_core.kda_chunk_scan(q, k, v, g, beta)
     return kda_output(p, h, o, config)
+
+
+def roll_conv_state(conv_state, x, n_new):
+    """The last K conv inputs after appending the first n_new[b] tokens of x [B, T, 3, C] to each row."""
+    kernel = conv_state.shape[-1]
+    history = jnp.concatenate([jnp.moveaxis(conv_state, -1, 1), x.astype(conv_state.dtype)], axis=1)
+    window = n_new[:, None] + jnp.arange(kernel)
+    window = window.reshape(*window.shape, *([1] * (history.ndim - 2)))
+    return jnp.moveaxis(jnp.take_along_axis(history, window, axis=1), 1, -1)
+
+
+def kda_layer_cached(p, h, config, layer_cache, valid):
+    """KDA over new tokens appended to a live state. h [B, T, D]; valid [B, T] marks each row's new
+    tokens (a prefix of the row). Padding rows neither decay nor update the state (g = 0, beta = 0),
+    and the conv state keeps each row's own last K inputs. Returns (y, new layer cache)."""
+    h = h * valid[..., None].astype(h.dtype)
+    qkv = linear(h, p["qkv_proj"])
+    conv_state = roll_conv_state(layer_cache["conv"], qkv, valid.sum(-1))
+    heads, head_dim = config.linear_num_heads, config.linear_head_dim
+    y, _ = kda_core.causal_short_conv(qkv, p["conv"], layer_cache["conv"])
+    q, k, v = (y[..., i, :].reshape(*y.shape[:-2], heads, head_dim) for i in range(3))
+    g = jnp.where(valid[..., None, None], gate_log_decay(p, h, config), 0.0)
+    beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(h, p["b_proj"])), 0)
+    o, state = kda_core.kda_chunk_scan(q, k, v, g, beta, layer_cache["state"])
+    return kda_output(p, h, o, config), {"conv": conv_state, "state": state}
+
+
+def kda_layer_decode(p, h, config, layer_cache):
+    """One new token per sequence (h [B, 1, D]) through the fused decode step."""
+    o, conv_state, state = kda_core.kda_decode_step(
+        linear(h[:, 0], p["qkv_proj"]),
+        layer_cache["conv"],
+        p["conv"],
+        linear(linear(h[:, 0], p["f_a"]), p["f_b"]),
+        p["dt_bias"],
+        p["A_log"],
+        linear(h[:, 0], p["b_proj"]),
+        layer_cache["state"],
+        lower_bound=config.linear_lower_bound,
+    )
+    return kda_output(p, h, o[:, None], config), {"conv": conv_state, "state": state}

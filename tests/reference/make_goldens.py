@@ -179,6 +179,38 @@ def model_cases(out):
     return cases
 
 
+@torch.no_grad()
+def generation_case(out):
+    """transformers' own cached greedy generation: 32 new tokens for 2 prompts of different lengths
+    (left-padded, as transformers' generate expects), drawn so that no EOS comes up."""
+    from transformers import GenerationConfig
+
+    model = Glm5NextForConditionalGeneration.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(77)
+    lengths, new = [23, 40], 32
+    mask = padded_mask(lengths, max(lengths), "left")
+    settings = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=model.config.text_config.eos_token_id,
+                                pad_token_id=0)
+    for _ in range(40):
+        ids = draw_ids(gen, model, mask)
+        tokens = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
+        if tokens.shape[1] != mask.shape[1] + new:
+            continue  # an EOS ended both rows early
+        full_mask = torch.cat([mask, torch.ones(2, new, dtype=torch.long)], dim=1)
+        logits = model(input_ids=tokens, attention_mask=full_mask).logits[:, mask.shape[1] - 1 : -1]
+        top2 = logits.topk(2, dim=-1).values
+        greedy_margin = float((top2[..., 0] - top2[..., 1]).min())
+        no_eos = not (tokens[:, mask.shape[1]:] == settings.eos_token_id).any()
+        agrees = bool((logits.argmax(-1) == tokens[:, mask.shape[1]:]).all())
+        if no_eos and agrees and greedy_margin > 1e-4 and min_decision_margin(model, tokens, full_mask) > MIN_DECISION_MARGIN:
+            break
+    else:
+        raise RuntimeError("no generation without near-ties")
+    np.savez(os.path.join(out, "cases", "generate.npz"), ids=ids.numpy(), mask=mask.numpy(),
+             new_tokens=tokens[:, mask.shape[1]:].numpy(), greedy_margin=greedy_margin)
+    return "generate"
+
+
 def state_of(module, prefix):
     return {prefix + k: v.detach().float().numpy() for k, v in module.state_dict().items()}
 
@@ -261,7 +293,7 @@ def main():
     manifest = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cases": model_cases(out),
+        "cases": model_cases(out) + [generation_case(out)],
         "layers": layer_cases(out),
     }
     with open(os.path.join(out, "manifest.json"), "w") as f:

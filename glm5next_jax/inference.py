@@ -1,0 +1,141 @@
+"""Stateful inference: prefill (also continuation prefill) and single-token decode over a cache.
+
+Sequences are stored from cache slot 0; a left-padded prompt batch is compacted to the left first
+(the model is position-free: pools start at the first real token and KDA ignores zeroed pads, so
+the results are those of the padded forward). Each row advances by its own number of new tokens.
+The checks of the engine's invariants run on the host, before any computation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import cache as cache_lib
+from .config import DSA, Config
+from .layers.dsa import dsa_layer_cached
+from .layers.kda import kda_layer_cached, kda_layer_decode
+from .model import _check_ids_in_range, decoder_layer, embed, final_logits
+
+
+def _cached_layers(params, config: Config, streams, cache, valid, decode: bool):
+    start = cache["lengths"]
+    layers = []
+    indices = None
+    for i, (p, lc) in enumerate(zip(params["layers"], cache["layers"])):
+
+        def attend(pa, h, i=i, lc=lc, indices=indices):
+            if config.layer_types[i] == DSA:
+                y, new_lc, idx = dsa_layer_cached(pa, h, config, lc, cache["page_table"], start, valid, indices)
+                return y, (new_lc, idx)
+            if decode:
+                y, new_lc = kda_layer_decode(pa, h, config, lc)
+            else:
+                y, new_lc = kda_layer_cached(pa, h, config, lc, valid)
+            return y, (new_lc, None)
+
+        streams, (lc, indices) = decoder_layer(p, streams, config, i, attend)
+        layers.append(lc)
+    new_cache = dict(cache, lengths=start + valid.sum(-1, dtype=jnp.int32), layers=layers)
+    return streams, new_cache
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _prefill(params, config: Config, ids, valid, offset, cache):
+    streams = embed(params, ids, config)
+    streams, cache = _cached_layers(params, config, streams, cache, valid, decode=False)
+    logits = final_logits(params, streams, config)
+    # Back to the caller's layout: compacted position i of row b was at offset[b] + i.
+    t = ids.shape[1]
+    back = (jnp.arange(t)[None] - offset[:, None]) % t
+    return jnp.take_along_axis(logits, back[..., None], axis=1), cache
+
+
+@functools.partial(jax.jit, static_argnames="config", donate_argnames="cache")
+def _decode(params, config: Config, token_ids, cache):
+    streams = embed(params, token_ids[:, None], config)
+    valid = jnp.ones(token_ids.shape + (1,), jnp.bool_)
+    streams, cache = _cached_layers(params, config, streams, cache, valid, decode=True)
+    return final_logits(params, streams, config)[:, 0], cache
+
+
+def prefill(params, config: Config, ids, attention_mask, cache):
+    """Append a chunk of tokens to every sequence of the cache; returns (logits [B, T, vocab], cache).
+
+    ids [B, T]; attention_mask [B, T] of 0/1 (None: all 1), each row left- or right-padded. Rows
+    may add different numbers of tokens (a row of zeros adds none). On an empty cache this is the
+    prompt prefill, on a live one a continuation prefill.
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask must match ids' shape {ids.shape}, got {mask.shape}")
+    if not np.isin(np.unique(mask), [0, 1]).all():
+        raise ValueError("attention_mask must hold only 0 and 1")
+    mask = mask.astype(bool)
+    n_new = mask.sum(1)
+    offset = np.where(mask[:, 0] | (n_new == 0), 0, ids.shape[1] - n_new)
+    contiguous = np.array([mask[b, offset[b] : offset[b] + n_new[b]].all() for b in range(len(mask))])
+    if not contiguous.all():
+        raise ValueError(f"attention_mask rows {np.nonzero(~contiguous)[0].tolist()} are neither left- nor right-padded")
+    _check_ids_in_range(ids, config.vocab_size)
+    check_cache(params, config, cache, ids.shape[0], n_new)
+    compact = (np.arange(ids.shape[1])[None] + offset[:, None]) % ids.shape[1]
+    ids = np.take_along_axis(ids, compact, axis=1)
+    valid = np.arange(ids.shape[1])[None] < n_new[:, None]
+    return _prefill(params, config, jnp.asarray(ids, jnp.int32), jnp.asarray(valid), jnp.asarray(offset, jnp.int32), cache)
+
+
+def decode_step(params, config: Config, token_ids, cache):
+    """One token for each sequence: token_ids [B] (or [B, 1]) -> (logits [B, vocab], cache).
+
+    The input cache's buffers are donated (updated in place on accelerators): use the returned one.
+    """
+    token_ids = np.asarray(token_ids)
+    if token_ids.ndim == 2 and token_ids.shape[1] == 1:
+        token_ids = token_ids[:, 0]
+    if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+        raise ValueError(f"token_ids must be an integer array [B] or [B, 1], got {token_ids.dtype} {token_ids.shape}")
+    _check_ids_in_range(token_ids, config.vocab_size)
+    check_cache(params, config, cache, token_ids.shape[0], np.ones(token_ids.shape[0], np.int64))
+    return decode_unchecked(params, config, jnp.asarray(token_ids, jnp.int32), cache)
+
+
+def decode_unchecked(params, config: Config, token_ids, cache):
+    """decode_step without the host-side checks, for loops that have checked their own bounds."""
+    return _decode(params, config, token_ids, cache)
+
+
+def check_cache(params, config: Config, cache, batch: int, n_new) -> None:
+    """The engine's invariants, checked before any computation (raises ValueError)."""
+    lengths = cache_lib.host_lengths(cache)
+    if lengths.shape != (batch,):
+        raise ValueError(f"batch mismatch: the inputs have {batch} sequences, the cache {lengths.shape[0]}")
+    dtype = params["embed_tokens"].dtype
+    if cache_lib.cache_dtype(cache) != dtype:
+        raise ValueError(f"dtype mismatch: params are {dtype}, the cache was made for {cache_lib.cache_dtype(cache)}")
+    if len(cache["layers"]) != config.num_hidden_layers:
+        raise ValueError(f"the cache has {len(cache['layers'])} layers, the config {config.num_hidden_layers}")
+    rows = cache_lib.select_rows(cache)
+    if rows is not None and not 0 < config.select_width <= rows:
+        raise ValueError(
+            f"selection width k = {config.select_width} must be in [1, {rows}] (the cache's selection workspace rows)"
+        )
+    room = cache_lib.max_len(cache) - lengths
+    if (np.asarray(n_new) > room).any():
+        raise ValueError(
+            f"no room: sequences {np.nonzero(np.asarray(n_new) > room)[0].tolist()} would exceed the cache's "
+            f"{cache_lib.max_len(cache)} tokens (lengths {lengths.tolist()}, adding {np.asarray(n_new).tolist()})"
+        )
+    for i, layer in enumerate(cache["layers"]):
+        if "indexer_length" in layer:
+            behind = np.asarray(jax.device_get(layer["indexer_length"])) < lengths
+            if behind.any():
+                raise ValueError(
+                    f"layer {i}: the indexer cache is behind the sequence for rows {np.nonzero(behind)[0].tolist()}"
+                )
