@@ -10,12 +10,25 @@ as transformers' `use_qk_l2norm_in_kernel=True` does.
 `kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form;
 `kda_decode_step` one token per sequence with everything around the core fused in (the short conv
 and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions are pure jnp and are
-the oracles of the Pallas kernels.
+the oracles of the Pallas kernels in `kda_triton`.
+
+A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
+sequence): a padded position neither decays nor writes the state (g = 0, beta = 0 there), so the
+final state is each sequence's state after its own last token; outputs at padded positions are
+meaningless.
+
+Dispatch (`implementation`): None picks "pallas" on a GPU backend when the shapes are supported,
+else "reference"; "pallas" with `interpret=True` runs the kernels in Pallas' interpreter (CPU tests).
+The Pallas scan factors decays through 16-token sub-chunks and is exact for gates
+g >= kda_triton.MIN_GATE (about -5.5 per token, which the model's lower bound -5 guarantees); for
+unbounded gates ask for "reference".
 """
 
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
+
+from pallas_kernels import kda_triton
 
 HIGHEST = jax.lax.Precision.HIGHEST
 L2_EPS = 1e-6
@@ -60,7 +73,7 @@ def l2_normalise(x):
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def _check_inputs(q, k, v, g, beta, initial_state):
+def _check_inputs(q, k, v, g, beta, initial_state, lengths=None):
     if q.ndim != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, T, H, dk], got {q.shape} and {k.shape}")
     b, t, h, dk = q.shape
@@ -72,26 +85,35 @@ def _check_inputs(q, k, v, g, beta, initial_state):
         raise ValueError(f"beta must be [B, T, H] = {(b, t, h)}, got {beta.shape}")
     if initial_state is not None and initial_state.shape != (b, h, dk, v.shape[-1]):
         raise ValueError(f"initial_state must be [B, H, dk, dv] = {(b, h, dk, v.shape[-1])}, got {initial_state.shape}")
+    if lengths is not None and (lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
+        raise ValueError(f"lengths must be integer [B] = [{b}], got {lengths.dtype}{list(lengths.shape)}")
 
 
-def _prepare(q, k, v, g, beta, initial_state):
+def _prepare(q, k, v, g, beta, initial_state, lengths):
     dk = q.shape[-1]
     q = l2_normalise(q) * dk**-0.5
     k = l2_normalise(k)
+    g = g.astype(jnp.float32)
+    beta = beta.astype(jnp.float32)
+    if lengths is not None:
+        valid = jnp.arange(q.shape[1])[None, :] < lengths[:, None]  # [B, T]
+        g = jnp.where(valid[:, :, None, None], g, 0.0)
+        beta = jnp.where(valid[:, :, None], beta, 0.0)
     state = (
         jnp.zeros((q.shape[0], q.shape[2], dk, v.shape[-1]), jnp.float32)
         if initial_state is None
         else initial_state.astype(jnp.float32)
     )
-    return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), state
+    return q, k, v.astype(jnp.float32), g, beta, state
 
 
-def kda_recurrent_reference(q, k, v, g, beta, initial_state=None):
+def kda_recurrent_reference(q, k, v, g, beta, initial_state=None, *, lengths=None):
     """Token-by-token KDA. q, k [B, T, H, dk], v [B, T, H, dv], g [B, T, H, dk] (log decay, fp32),
-    beta [B, T, H]. Returns (o [B, T, H, dv] in q.dtype, final_state [B, H, dk, dv] fp32)."""
-    _check_inputs(q, k, v, g, beta, initial_state)
+    beta [B, T, H], lengths [B] or None (all T valid).
+    Returns (o [B, T, H, dv] in q.dtype, final_state [B, H, dk, dv] fp32)."""
+    _check_inputs(q, k, v, g, beta, initial_state, lengths)
     out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, lengths)
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
@@ -106,18 +128,18 @@ def kda_recurrent_reference(q, k, v, g, beta, initial_state=None):
     return jnp.moveaxis(o, 0, 1).astype(out_dtype), state
 
 
-def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size=64):
+def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None):
     """Chunked (WY) KDA, same arguments and results as `kda_recurrent_reference`.
 
     Within a chunk the delta rule's triangular system is solved exactly; chunks are scanned in
     order, carrying the fp32 state. Pairwise decays exp(G_i - G_j) are formed per channel (never
     as exp(G_i) * exp(-G_j), which overflows for gates near the lower bound).
     """
-    _check_inputs(q, k, v, g, beta, initial_state)
+    _check_inputs(q, k, v, g, beta, initial_state, lengths)
     out_dtype = q.dtype
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, lengths)
     c = chunk_size
     n_chunks = -(-t // c)
     pad = n_chunks * c - t
@@ -177,18 +199,102 @@ def kda_decode_step_reference(qkv, conv_state, conv_weight, f, dt_bias, a_log, b
     return o[:, 0], conv_state, state
 
 
-def kda_chunk_scan(q, k, v, g, beta, initial_state=None, *, chunk_size=64):
-    """Chunked KDA for prefill; see `kda_chunk_scan_reference`."""
-    return kda_chunk_scan_reference(q, k, v, g, beta, initial_state, chunk_size=chunk_size)
+IMPLEMENTATIONS = (None, "reference", "pallas")
 
 
-def kda_recurrent(q, k, v, g, beta, initial_state=None):
-    """Token-by-token KDA; see `kda_recurrent_reference`."""
-    return kda_recurrent_reference(q, k, v, g, beta, initial_state)
+def _pick(implementation, unsupported):
+    """The implementation to run: `unsupported` is None or why the Pallas kernel can't take the call."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation is None:
+        return "pallas" if jax.default_backend() == "gpu" and unsupported is None else "reference"
+    if implementation == "pallas" and unsupported is not None:
+        raise ValueError(f"the Pallas kernel does not support this call: {unsupported}")
+    return implementation
 
 
-def kda_decode_step(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound):
-    """Fused single-token KDA; see `kda_decode_step_reference`."""
-    return kda_decode_step_reference(
-        qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, lower_bound=lower_bound
+def _power_of_two(n, low, high):
+    return low <= n <= high and n & (n - 1) == 0
+
+
+def _scan_unsupported(q, v, chunk_size):
+    if chunk_size != kda_triton.CHUNK:
+        return f"chunk_size must be {kda_triton.CHUNK}, got {chunk_size}"
+    if not (_power_of_two(q.shape[-1], 16, 128) and _power_of_two(v.shape[-1], 16, 128)):
+        return f"dk and dv must be powers of two in [16, 128], got {q.shape[-1]} and {v.shape[-1]}"
+    return None
+
+
+def kda_chunk_scan(
+    q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, implementation=None, interpret=False,
+    config=kda_triton.ScanConfig(),
+):
+    """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
+
+    `implementation` None / "reference" / "pallas" (see the module docstring), `interpret` runs the
+    Pallas kernels in the interpreter, `config` their launch shape.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, lengths)
+    if _pick(implementation, _scan_unsupported(q, v, chunk_size)) == "reference":
+        return kda_chunk_scan_reference(q, k, v, g, beta, initial_state, chunk_size=chunk_size, lengths=lengths)
+    b, t, h, dk = q.shape
+    pad = -t % chunk_size
+    if pad:
+        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
+    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.minimum(lengths.astype(jnp.int32), t)
+    if initial_state is None:
+        initial_state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
+    o, state = kda_triton.chunk_scan(
+        q, k, v, g, beta, initial_state.astype(jnp.float32), lengths, config=config, interpret=interpret
+    )
+    return o[:, :t], state
+
+
+def kda_recurrent(q, k, v, g, beta, initial_state=None, *, lengths=None):
+    """Token-by-token KDA; see `kda_recurrent_reference` (reference only: prefill uses the chunked
+    kernel and decode the fused step)."""
+    return kda_recurrent_reference(q, k, v, g, beta, initial_state, lengths=lengths)
+
+
+def _check_decode_inputs(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state):
+    if qkv.ndim != 3 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be [B, 3, C], got {qkv.shape}")
+    b, _, c = qkv.shape
+    heads = a_log.shape[0] if a_log.ndim == 1 else 0
+    if a_log.ndim != 1 or heads == 0 or c % heads:
+        raise ValueError(f"a_log must be [H] with H dividing C = {c}, got {a_log.shape}")
+    d = c // heads
+    if conv_weight.ndim != 3 or conv_weight.shape[1:] != (3, c):
+        raise ValueError(f"conv_weight must be [K, 3, C] = [K, 3, {c}], got {conv_weight.shape}")
+    kernel = conv_weight.shape[0]
+    expected = {
+        "conv_state": (conv_state, (b, 3, c, kernel)),
+        "f": (f, (b, c)),
+        "dt_bias": (dt_bias, (c,)),
+        "beta_logits": (beta_logits, (b, heads)),
+        "state": (state, (b, heads, d, d)),
+    }
+    for name, (x, shape) in expected.items():
+        if x.shape != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {list(x.shape)}")
+
+
+def kda_decode_step(
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, implementation=None,
+    interpret=False,
+):
+    """Fused single-token KDA; arguments and results as `kda_decode_step_reference`.
+
+    The Pallas kernel updates `state` in place: donate it under jit, or XLA copies it first.
+    """
+    _check_decode_inputs(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state)
+    d = state.shape[-1]
+    unsupported = None if _power_of_two(d, 16, 128) else f"head dim must be a power of two in [16, 128], got {d}"
+    if _pick(implementation, unsupported) == "reference":
+        return kda_decode_step_reference(
+            qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, lower_bound=lower_bound
+        )
+    return kda_triton.decode_step(
+        qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state.astype(jnp.float32),
+        lower_bound=lower_bound, interpret=interpret,
     )

@@ -1,0 +1,301 @@
+"""KDA on the GPU: our Pallas kernels against the pure-jnp reference and the peers, in one run.
+
+Prefill: `kda_chunk_scan` (Pallas, Triton backend) vs fla-core 0.6.0 `chunk_kda` (Triton, torch) and
+jla 0.1.0 `kda` (Pallas Mosaic GPU) at (B, T, H) = (1, 16384, 16), (1, 8192, 64), (8, 4096, 16), D = 128.
+Decode: `kda_decode_step` (conv + gate + state update fused) at batch 1, 64, 256 with H = 64 vs the
+state-bytes roofline and fla's `fused_recurrent_kda_fwd` (core update only, as probe_kda_decode.py).
+
+Errors are max|d| / max|ref| against the reference on the same bf16 inputs (the reference in fp32,
+HIGHEST precision). Times are medians: ours and jla as the mean of 10 calls chained in one jitted
+loop (so that JAX's dispatch is not timed), fla with triton.testing.do_bench.
+
+On the GPU machine, from the repository root, with the peers' wheels in .peers/:
+    python3 -m pip install -q --no-index --no-deps --target .peers-site .peers/*.whl
+    PYTHONPATH=$PWD:$PWD/.peers-site python3 bench/kda.py
+"""
+
+import argparse
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import kda, kda_triton
+
+PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
+DECODE_BATCHES = [1, 64, 256]
+CONFIGS = {
+    "v64": kda_triton.ScanConfig(block_v=64),
+    "v32": kda_triton.ScanConfig(block_v=32),
+    "v32-tf32": kda_triton.ScanConfig(block_v=32, chain_x3=False),
+    "v64-w8": kda_triton.ScanConfig(block_v=64, chain_warps=8),
+}
+ROWS = []  # (section, name, shape, error, ms, note)
+INTERPRET = False  # --interpret: a CPU smoke run of this script on tiny shapes
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def relative_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.isfinite(got).all():
+        return float("nan")
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def loop_ms(step, carry, n=10, reps=5):
+    """Per-call time of `step`, run n times in one jitted fori_loop (dispatch amortised)."""
+    loop = jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c))
+    jax.block_until_ready(loop(carry))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(carry))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n * 1e3
+
+
+def prefill_inputs(b, t, h, d, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((b, t, h, d), np.float32) for _ in range(3))
+    g = (-5.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h, d), np.float32)))).astype(np.float32)
+    beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h), np.float32)))).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def to_jax(q, k, v, g, beta):
+    bf = jnp.bfloat16
+    return jnp.asarray(q, bf), jnp.asarray(k, bf), jnp.asarray(v, bf), jnp.asarray(g), jnp.asarray(beta, bf)
+
+
+def check_small():
+    """Ragged lengths, initial state, gates at the lower bound, T not a multiple of 64."""
+    log("\n== small parity checks on the GPU (ours vs reference)")
+    cases = [(3, 200, 4, 128, "random"), (2, 130, 2, 64, "lower_bound"), (1, 1, 1, 128, "random")]
+    for b, t, h, d, gate in cases[1:2] if INTERPRET else cases:
+        q, k, v, g, beta = prefill_inputs(b, t, h, d, seed=t)
+        if gate == "lower_bound":
+            g = np.full_like(g, -5.0)
+        q, k, v, g, beta = to_jax(q, k, v, g, beta)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, beta)]
+        s0 = jax.random.normal(jax.random.key(t), (b, h, d, d))
+        lengths = jnp.array([t, max(t // 3, 1), max(t - 17, 1)][:b], jnp.int32)
+        o, s = kda.kda_chunk_scan(*f32[:3], g, f32[3], s0, lengths=lengths, implementation="pallas", interpret=INTERPRET)
+        o_r, s_r = kda.kda_chunk_scan_reference(*f32[:3], g, f32[3], s0, lengths=lengths)
+        valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+        e_o = relative_error(np.asarray(o)[valid], np.asarray(o_r)[valid])
+        e_s = relative_error(s, s_r)
+        log(f"B={b} T={t} H={h} D={d} gate={gate} lengths={list(map(int, lengths))}: o {e_o:.2e}  state {e_s:.2e}")
+        ROWS.append(("check", "ours small", f"B={b} T={t} H={h} D={d} {gate}", max(e_o, e_s), float("nan"), "fp32 in"))
+
+
+def bench_prefill(configs):
+    log("\n== prefill")
+    results = {}
+    for b, t, h, d in PREFILL_SHAPES:
+        shape = f"B={b} T={t} H={h}"
+        np_in = prefill_inputs(b, t, h, d)
+        q, k, v, g, beta = to_jax(*np_in)
+        o_ref, s_ref = jax.jit(kda.kda_chunk_scan_reference)(q.astype(jnp.float32), k, v, g, beta)
+        o_ref, s_ref = np.asarray(o_ref, np.float32), np.asarray(s_ref)
+        floor = relative_error(np.asarray(jnp.asarray(o_ref, jnp.bfloat16), np.float32), o_ref)
+        log(f"{shape}: rounding the reference output to bf16 alone gives error {floor:.2e}")
+        ROWS.append(("prefill", "reference rounded to bf16 (floor for bf16 o)", shape, floor, float("nan"), ""))
+        for name, cfg in configs.items():
+            try:
+                fn = jax.jit(lambda q, k, v, g, beta, cfg=cfg: kda.kda_chunk_scan(q, k, v, g, beta, implementation="pallas", config=cfg, interpret=INTERPRET))
+                t0 = time.perf_counter()
+                o, s = fn(q, k, v, g, beta)
+                err = max(relative_error(o, o_ref), relative_error(s, s_ref))
+                compile_s = time.perf_counter() - t0
+
+                def step(c, cfg=cfg):
+                    o, s = kda.kda_chunk_scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, implementation="pallas", config=cfg, interpret=INTERPRET)
+                    return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
+
+                ms = loop_ms(step, jnp.float32(0))
+                results[(shape, name)] = ms
+                log(f"ours {name:9s} {shape}: {ms:.3f} ms  err o/state {relative_error(o, o_ref):.2e}/{relative_error(s, s_ref):.2e}  (first call {compile_s:.0f}s)")
+                ROWS.append(("prefill", f"ours {name}", shape, err, ms, ""))
+            except Exception as e:
+                traceback.print_exc()
+                log(f"ours {name} {shape}: FAILED {type(e).__name__}")
+        if "v64" in configs:
+            split_timing(q, k, v, g, beta, configs["v64"], shape)
+        peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d)
+    return results
+
+
+def split_timing(q, k, v, g, beta, cfg, shape):
+    """Time the parallel intra kernel alone: the rest of the scan's time is the serial chain."""
+    b, t, h, d = q.shape
+    lengths = jnp.full((b,), t, jnp.int32)
+
+    def step(c):
+        outs = kda_triton.intra(q, k, v, g, beta + c.astype(beta.dtype) * 0, lengths, config=cfg, interpret=INTERPRET)
+        return c + sum(x[0, 0, 0, 0].astype(jnp.float32) * 0 for x in outs)
+
+    try:
+        ms = loop_ms(step, jnp.float32(0))
+        # reads q, k, v (bf16), g (fp32), beta; writes w (bf16), u, q 2^G, k 2^(G_last - G), A_qk (fp32)
+        byts = b * t * h * (3 * 2 * d + 4 * d + 2 + 2 * d + 3 * 4 * d + 4 * kda_triton.CHUNK)
+        log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e9:.0f} GB/s of its {byts / 1e9:.2f} GB)")
+        ROWS.append(("prefill", "  ours: intra kernel alone", shape, float("nan"), ms, f"{byts / ms / 1e9:.0f} GB/s"))
+    except Exception:
+        traceback.print_exc()
+
+
+def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
+    try:
+        import torch
+        import triton
+        from fla.ops.kda import chunk_kda
+
+        q, k, v, g, beta = (torch.from_numpy(x).cuda() for x in np_in)
+        q, k, v, beta = q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16()
+        k_unit = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
+        variants = {
+            "fla chunk_kda (probe: k unit, no l2norm)": lambda: chunk_kda(q, k_unit, v, g, beta, scale=d**-0.5, output_final_state=True),
+            "fla chunk_kda l2norm in kernel": lambda: chunk_kda(q, k, v, g, beta, scale=d**-0.5, output_final_state=True, use_qk_l2norm_in_kernel=True),
+            "fla chunk_kda l2norm safe_gate lb=-5": lambda: chunk_kda(
+                q, k, v, g, beta, scale=d**-0.5, output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0
+            ),
+        }
+        for name, fn in variants.items():
+            try:
+                o, s = fn()
+                err = float("nan")
+                if "l2norm" in name:
+                    err = max(relative_error(o.float().cpu().numpy(), o_ref), relative_error(s.float().cpu().numpy(), s_ref))
+                ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+                log(f"{name} {shape}: {ms:.3f} ms  err {err:.2e}")
+                ROWS.append(("prefill", name, shape, err, ms, ""))
+            except Exception as e:
+                traceback.print_exc()
+                log(f"{name} {shape}: FAILED {type(e).__name__}")
+        del q, k, v, g, beta, k_unit
+        torch.cuda.empty_cache()
+    except Exception:
+        traceback.print_exc()
+    try:
+        from jla.ops.mosaic_gpu.kda import kda as jla_kda
+
+        q, k, v, g, beta = to_jax(*np_in)
+        k_unit = (k.astype(jnp.float32) / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(jnp.bfloat16)
+        for name, kk, l2 in [("jla kda (probe: k unit, no l2norm)", k_unit, False), ("jla kda l2norm", k, True)]:
+            try:
+                fn = jax.jit(lambda q, k, v, g, b, l2=l2: jla_kda(q, k, v, g, b, scale=d**-0.5, output_final_state=True, use_qk_l2norm=l2))
+                o, s = fn(q, kk, v, g, beta)
+                err = max(relative_error(o, o_ref), relative_error(s, s_ref)) if l2 else float("nan")
+
+                def step(c, l2=l2, kk=kk):
+                    o, s = jla_kda(q, kk, v, g, beta + c.astype(beta.dtype) * 0, scale=d**-0.5, output_final_state=True, use_qk_l2norm=l2)
+                    return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
+
+                ms = loop_ms(step, jnp.float32(0))
+                log(f"{name} {shape}: {ms:.3f} ms  err {err:.2e}")
+                ROWS.append(("prefill", name, shape, err, ms, ""))
+            except Exception as e:
+                traceback.print_exc()
+                log(f"{name} {shape}: FAILED {type(e).__name__}")
+    except Exception:
+        traceback.print_exc()
+
+
+def decode_inputs(b, h, d, seed=0):
+    c = h * d
+    ks = jax.random.split(jax.random.key(seed), 8)
+    return dict(
+        qkv=jax.random.normal(ks[0], (b, 3, c), jnp.bfloat16),
+        conv_state=jax.random.normal(ks[1], (b, 3, c, 4), jnp.bfloat16),
+        conv_weight=0.5 * jax.random.normal(ks[2], (4, 3, c)),
+        f=jax.random.normal(ks[3], (b, c), jnp.bfloat16),
+        dt_bias=0.1 * jax.random.normal(ks[4], (c,)),
+        a_log=0.3 * jax.random.normal(ks[5], (h,)),
+        beta_logits=jax.random.normal(ks[6], (b, h), jnp.bfloat16),
+        state=0.01 * jax.random.normal(ks[7], (b, h, d, d)),
+    )
+
+
+def bench_decode(hbm):
+    h, d = (2, 32) if INTERPRET else (64, 128)
+    log(f"\n== decode step, H={h} D={d}")
+    for b in DECODE_BATCHES:
+        x = decode_inputs(b, h, d)
+        ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
+        got = jax.jit(lambda x: kda.kda_decode_step(**x, lower_bound=-5.0, implementation="pallas", interpret=INTERPRET))(dict(x))
+        err = max(relative_error(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref))
+        fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
+
+        def step(carry):
+            conv_state, state = carry
+            _, conv_state, state = kda.kda_decode_step(
+                conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, implementation="pallas", interpret=INTERPRET
+            )
+            return conv_state, state
+
+        ms = loop_ms(step, (x["conv_state"], x["state"]), n=50)
+        roof = 2 * b * h * d * d * 4 / hbm * 1e3
+        log(f"ours decode B={b}: {ms:.4f} ms  roofline {roof:.4f} ms ({roof / ms * 100:.0f}%)  err {err:.2e}")
+        ROWS.append(("decode", "ours kda_decode_step (conv+gate fused)", f"B={b}", err, ms, f"{roof / ms * 100:.0f}% of {roof:.4f} ms"))
+    try:
+        import torch
+        import triton
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        for b in DECODE_BATCHES:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+            gg = -5.0 * torch.sigmoid(torch.randn(b, 1, h, d, device="cuda", generator=gen))
+            beta = torch.sigmoid(torch.randn(b, 1, h, device="cuda", generator=gen)).bfloat16()
+            h0 = torch.randn(b, h, d, d, device="cuda", dtype=torch.float32, generator=gen) * 0.01
+            fn = lambda: fused_recurrent_kda_fwd(  # noqa: E731
+                q, k, v, gg, beta, initial_state=h0, output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+            ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+            roof = 2 * b * h * d * d * 4 / hbm * 1e3
+            log(f"fla fused_recurrent_kda_fwd B={b}: {ms:.4f} ms  ({roof / ms * 100:.0f}% of roofline)")
+            ROWS.append(("decode", "fla fused_recurrent_kda_fwd (core only)", f"B={b}", float("nan"), ms, f"{roof / ms * 100:.0f}%"))
+    except Exception:
+        traceback.print_exc()
+
+
+def hbm_bandwidth():
+    x = jnp.ones((1 << (16 if INTERPRET else 29),), jnp.bfloat16)  # 1 GiB
+    ms = loop_ms(lambda y: y * 1.0001, x, n=10)
+    bw = 2 * x.nbytes / (ms / 1e3)
+    log(f"HBM: read+write of 1 GiB: {ms:.3f} ms -> {bw / 1e12:.2f} TB/s")
+    return bw
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="scan configs to time: " + ",".join(CONFIGS))
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: check,prefill,decode")
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny shapes, Pallas interpreter")
+    args = parser.parse_args()
+    skip = set(args.skip.split(","))
+    if args.interpret:
+        global INTERPRET, PREFILL_SHAPES, DECODE_BATCHES
+        INTERPRET, PREFILL_SHAPES, DECODE_BATCHES = True, [(1, 128, 2, 32)], [2]
+    log("jax", jax.__version__, jax.devices())
+    hbm = hbm_bandwidth()
+    if "check" not in skip:
+        check_small()
+    if "decode" not in skip:
+        bench_decode(hbm)
+    if "prefill" not in skip:
+        bench_prefill({name: CONFIGS[name] for name in args.configs.split(",")})
+    log("\n| section | implementation | shape | error | ms | note |\n| --- | --- | --- | --- | --- | --- |")
+    for section, name, shape, err, ms, note in ROWS:
+        log(f"| {section} | {name} | {shape} | {err:.1e} | {ms:.4f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
