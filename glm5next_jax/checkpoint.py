@@ -263,9 +263,11 @@ def read_hc(r: Reader, L: str, site: str, c: Config):
     }
 
 
-def read_params(r: Reader, c: Config):
+def read_params(r: Reader, c: Config, progress=None):
     layers = []
     for i in range(c.num_hidden_layers):
+        if progress is not None:
+            progress(i, c.num_hidden_layers)
         L = f"layers.{i}."
         layers.append(
             {
@@ -300,8 +302,11 @@ def _skipped(name: str, prefix: str, c: Config) -> str | None:
     return None
 
 
-def load_checkpoint(path, dtype="bfloat16"):
-    """(config, params) from a transformers checkpoint directory; params in `dtype` ("float32" or "bfloat16")."""
+def load_checkpoint(path, dtype="bfloat16", *, progress=None):
+    """(config, params) from a transformers checkpoint directory; params in `dtype` ("float32" or "bfloat16").
+
+    progress(done_layers, total_layers), if given, is called as layers are read.
+    """
     path = os.fspath(path)
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -318,12 +323,14 @@ def load_checkpoint(path, dtype="bfloat16"):
         else:
             wanted.add(name)
     reader = Reader(files, prefix, wanted)
-    raw = read_params(reader, config)
+    raw = read_params(reader, config, progress)
     problems = reader.problems()
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  " + "\n  ".join(problems))
     if skipped:
         log.info("skipped tensors outside the text forward: %s", ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))
+    if progress is not None:
+        progress(config.num_hidden_layers, config.num_hidden_layers)
     spec = param_spec(config)
     params = jax.tree.map(
         lambda leaf, x: jnp.asarray(x, leaf_dtype(leaf, dtype)), spec, raw, is_leaf=lambda x: isinstance(x, Leaf)

@@ -1,4 +1,7 @@
-"""Command line: `glm5next-jax {logits,info} ...` (see --help of each)."""
+"""Command line: `glm5next-jax {generate,logits,convert,info}` (see --help of each).
+
+--checkpoint takes a transformers checkpoint directory or an orbax directory made by `convert`.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +15,15 @@ import numpy as np
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "glm5next-tiny")
 
 
-def parse_id_batch(text: str) -> tuple[np.ndarray, np.ndarray]:
-    """ "1 2 3, 4 5" -> right-padded ids [B, T] and mask [B, T] (rows separated by commas)."""
+def parse_id_batch(text: str) -> list[list[int]]:
+    """ "1 2 3, 4 5" -> [[1, 2, 3], [4, 5]] (rows separated by commas)."""
     rows = [[int(t) for t in row.split()] for row in text.split(",")]
     if not rows or any(not r for r in rows):
         raise ValueError(f"--ids needs at least one token per row, got {text!r}")
+    return rows
+
+
+def right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     width = max(len(r) for r in rows)
     ids = np.zeros((len(rows), width), np.int32)
     mask = np.zeros((len(rows), width), np.int32)
@@ -26,36 +33,163 @@ def parse_id_batch(text: str) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+def progress_bar(label):
+    def show(done, total):
+        width = 30
+        filled = width * done // max(total, 1)
+        print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", file=sys.stderr, flush=True)
+        if done == total:
+            print(file=sys.stderr)
+
+    return show
+
+
+def load_model(path, dtype, progress=None):
+    """(config, params) from a transformers checkpoint or an orbax directory written by `convert`."""
+    from .checkpoint import load_checkpoint
+    from .store import META, restore_params
+
+    if os.path.exists(os.path.join(path, META)):
+        config, params = restore_params(path)
+        if str(params["embed_tokens"].dtype) != dtype:
+            raise ValueError(f"{path} holds {params['embed_tokens'].dtype} params; pass --dtype {params['embed_tokens'].dtype}")
+        return config, params
+    return load_checkpoint(path, dtype, progress=progress)
+
+
+def cmd_generate(args):
+    from .generate import generate
+
+    config, params = load_model(args.checkpoint, args.dtype)
+    tokenizer = None
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(args.tokenizer)
+        if not args.prompt:
+            raise ValueError("--tokenizer needs at least one --prompt")
+        prompts = [tokenizer.encode(p).ids for p in args.prompt]
+    elif args.ids:
+        prompts = parse_id_batch(args.ids)
+    else:
+        raise ValueError("give --ids, or --tokenizer with --prompt")
+    stream = args.stream and len(prompts) == 1
+    stamps = []
+
+    def on_token(step, tokens, finished):
+        stamps.append(time.perf_counter())
+        if stream:
+            text = tokenizer.decode([int(tokens[0])]) if tokenizer else f"{int(tokens[0])} "
+            print(text, end="", flush=True)
+
+    start = time.perf_counter()
+    out = generate(
+        params, config, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, callback=on_token, latent_dtype=args.latent_dtype,
+    )
+    seconds = time.perf_counter() - start
+    if stream:
+        print()
+    for b, tokens in enumerate(out.tokens):
+        shown = tokenizer.decode(tokens) if tokenizer else " ".join(map(str, tokens))
+        print(f"[{b}] {shown}")
+    n = sum(len(t) for t in out.tokens)
+    first = stamps[0] - start
+    steady = stamps[-1] - stamps[0]
+    rate = (len(stamps) - 1) * len(prompts) / steady if steady > 0 else float("nan")
+    print(f"{n} new tokens in {seconds:.2f} s: first token after {first:.2f} s (prefill and compilation), "
+          f"then {rate:.1f} tokens/s (batch {len(prompts)}, {rate / len(prompts):.1f} steps/s); "
+          f"{n / seconds:.1f} tokens/s overall", file=sys.stderr)
+
+
 def cmd_logits(args):
     import glm5next_jax
 
-    config, params = glm5next_jax.load_checkpoint(args.checkpoint, args.dtype)
-    ids, mask = parse_id_batch(args.ids)
+    config, params = load_model(args.checkpoint, args.dtype)
+    ids, mask = right_padded(parse_id_batch(args.ids))
     start = time.perf_counter()
     logits = np.asarray(glm5next_jax.forward(params, config, ids, mask))
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    np.asarray(glm5next_jax.forward(params, config, ids, mask))
-    again = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     if args.out:
         np.save(args.out, logits)
         print(f"wrote {args.out}: logits {logits.shape} {logits.dtype}")
     for b in range(ids.shape[0]):
         n = int(mask[b].sum())
-        print(f"row {b}: {n} tokens, next-token argmax per position: {logits[b, :n].argmax(-1).tolist()}")
-    print(f"forward {ids.shape}: {first:.2f} s with compilation, {again * 1e3:.1f} ms compiled "
-          f"({mask.sum() / again:.0f} tokens/s)")
+        print(f"row {b}: {n} tokens, argmax per position: {logits[b, :n].argmax(-1).tolist()}")
+    print(f"forward {ids.shape} in {seconds:.2f} s (compilation included)", file=sys.stderr)
+
+
+def cmd_convert(args):
+    from .store import save_params
+
+    config, params = load_model(args.checkpoint, args.dtype, progress=progress_bar("reading"))
+    save_params(args.out, params, config)
+    print(f"wrote {args.out} ({args.dtype})")
+
+
+def cmd_info(args):
+    import jax
+
+    from .cache import bytes_per_token
+    from .config import Config
+    from .params import param_shapes
+
+    config = Config() if args.config == "released" else Config.from_hf(args.config)
+    shapes = param_shapes(config, args.dtype)
+    count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))  # noqa: E731
+    total = count(shapes)
+    embeddings = count(shapes["embed_tokens"]) + count(shapes["lm_head"])
+    routed = sum(count({k: v for k, v in l["mlp"].items() if k.startswith("experts_")}) for l in shapes["layers"])
+    active = total - routed + routed * config.num_experts_per_tok // config.n_routed_experts
+    cache = bytes_per_token(config, args.latent_dtype, args.dtype)
+    kda = config.layer_types.count("linear_attention")
+    print(f"config: {config.num_hidden_layers} layers ({kda} KDA, {config.num_hidden_layers - kda} DSA), "
+          f"hidden {config.hidden_size}, {config.n_routed_experts} experts top-{config.num_experts_per_tok}")
+    print(f"parameters:        {total:,} ({total / 1e9:.2f} B), of which routed experts {routed:,}, embeddings {embeddings:,}")
+    print(f"active per token:  {active:,} ({active / 1e9:.2f} B; {(active - embeddings) / 1e9:.2f} B without embeddings)")
+    print(f"cache per token:   {cache['per_token']:,.0f} bytes ({args.latent_dtype} latents, {args.dtype} indexer keys)")
+    print(f"KDA state:         {cache['kda_state_per_sequence']:,.0f} bytes per sequence (fixed)")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="glm5next-jax", description="GLM-5-Next in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p, dtype="float32"):
+        p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="checkpoint directory (default: the shipped tiny one)")
+        p.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+
+    p = sub.add_parser("generate", help="generate from token-id prompts (or text, with --tokenizer)")
+    model_args(p)
+    p.add_argument("--ids", help='prompts as token ids, rows separated by commas: "1 2 3, 4 5"')
+    p.add_argument("--tokenizer", help="a tokenizer.json; then prompts are --prompt text and output is text")
+    p.add_argument("--prompt", action="append", help="a text prompt (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--latent-dtype", default="bfloat16", choices=["bfloat16", "float32", "float8_e4m3fn"])
+    p.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
+    p.set_defaults(run=cmd_generate)
+
     p = sub.add_parser("logits", help="logits of a batch of token-id prompts, to .npy")
-    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="HF checkpoint directory (default: the shipped tiny one)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    model_args(p)
     p.add_argument("--ids", required=True, help='token ids, rows separated by commas: "1 2 3, 4 5"')
     p.add_argument("--out", help="write the logits [B, T, vocab] here (.npy)")
     p.set_defaults(run=cmd_logits)
+
+    p = sub.add_parser("convert", help="transformers checkpoint -> orbax directory")
+    model_args(p, dtype="bfloat16")
+    p.add_argument("--out", required=True, help="orbax output directory")
+    p.set_defaults(run=cmd_convert)
+
+    p = sub.add_parser("info", help="parameter counts, active parameters and cache bytes per token")
+    p.add_argument("--config", default="released", help='"released" (transformers defaults) or a config.json / checkpoint dir')
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--latent-dtype", default="float8_e4m3fn", choices=["bfloat16", "float32", "float8_e4m3fn"])
+    p.set_defaults(run=cmd_info)
+
     args = parser.parse_args(argv)
     try:
         args.run(args)

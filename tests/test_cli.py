@@ -1,0 +1,58 @@
+"""The console script, run as a user would."""
+
+import subprocess
+import sys
+
+import numpy as np
+from conftest import ROOT, SHIPPED
+
+
+def cli(*args):
+    result = subprocess.run([sys.executable, "-m", "glm5next_jax", *args], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, result.stderr
+
+
+def test_generate_from_ids_and_from_a_converted_orbax_checkpoint(tmp_path):
+    out, err = cli("generate", "--ids", "5 17 301 42 8, 9 10 11", "--max-new-tokens", "6")
+    rows = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(rows) == 2 and all(len(r.split()) == 7 for r in rows)
+    assert "tokens/s" in err
+    _, err = cli("convert", "--checkpoint", SHIPPED, "--dtype", "float32", "--out", str(tmp_path / "orbax"))
+    assert "8/8" in err  # the progress bar reached the last layer
+    again, _ = cli("generate", "--checkpoint", str(tmp_path / "orbax"), "--ids", "5 17 301 42 8, 9 10 11", "--max-new-tokens", "6")
+    assert again.splitlines()[-2:] == out.splitlines()[-2:]
+
+
+def test_generate_text_with_a_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(512)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    out, _ = cli("generate", "--tokenizer", str(tmp_path / "tokenizer.json"), "--prompt", "w5 w17 w301",
+                 "--max-new-tokens", "5", "--stream")
+    line = [l for l in out.splitlines() if l.startswith("[0]")][0]
+    words = line.split()[1:]
+    assert len(words) == 5 and all(w.startswith("w") for w in words)
+    ids_out, _ = cli("generate", "--ids", "5 17 301", "--max-new-tokens", "5")
+    assert [int(w[1:]) for w in words] == [int(t) for t in ids_out.splitlines()[-1].split()[1:]]
+
+
+def test_logits_to_npy(tmp_path):
+    cli("logits", "--ids", "5 17 301, 9", "--out", str(tmp_path / "l.npy"))
+    logits = np.load(tmp_path / "l.npy")
+    assert logits.shape == (2, 3, 512) and logits.dtype == np.float32
+
+
+def test_info_of_the_released_config():
+    out, _ = cli("info")
+    assert "45 layers (34 KDA, 11 DSA)" in out and "288 experts top-8" in out
+    assert "active per token" in out and "cache per token" in out
+
+
+def test_bad_input_is_a_clear_error():
+    result = subprocess.run([sys.executable, "-m", "glm5next_jax", "generate", "--ids", "5 99999"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "input_ids must lie in [0, 512)" in result.stderr
