@@ -29,13 +29,17 @@ from pallas_kernels import kda, kda_triton
 PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
 DECODE_BATCHES = [1, 64, 256]
 CONFIGS = {
-    "v64": kda_triton.ScanConfig(block_v=64),
-    "v32": kda_triton.ScanConfig(block_v=32),
-    "v32-tf32": kda_triton.ScanConfig(block_v=32, chain_x3=False),
-    "v64-w8": kda_triton.ScanConfig(block_v=64, chain_warps=8),
+    "base": kda_triton.ScanConfig(),
+    "i4": kda_triton.ScanConfig(intra_warps=4),
+    "w64": kda_triton.ScanConfig(intra_width=64),
+    "v64t": kda_triton.ScanConfig(block_v=64, chain_x3=False),
+    "v32t": kda_triton.ScanConfig(block_v=32, chain_x3=False),
+    "v16t": kda_triton.ScanConfig(block_v=16, chain_x3=False),
 }
+INTRA_VARIANTS = ("base", "i4", "w64")  # configs whose intra kernels differ: timed alone too
 ROWS = []  # (section, name, shape, error, ms, note)
 INTERPRET = False  # --interpret: a CPU smoke run of this script on tiny shapes
+PEERS = True
 
 
 def log(*args):
@@ -126,9 +130,11 @@ def bench_prefill(configs):
             except Exception as e:
                 traceback.print_exc()
                 log(f"ours {name} {shape}: FAILED {type(e).__name__}")
-        if "v64" in configs:
-            split_timing(q, k, v, g, beta, configs["v64"], shape)
-        peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d)
+        for name in INTRA_VARIANTS if (b, t, h, d) == PREFILL_SHAPES[1] else ():
+            if name in configs:
+                split_timing(q, k, v, g, beta, configs[name], f"{shape} {name}")
+        if PEERS:
+            peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d)
     return results
 
 
@@ -159,13 +165,8 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
 
         q, k, v, g, beta = (torch.from_numpy(x).cuda() for x in np_in)
         q, k, v, beta = q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16()
-        k_unit = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
         variants = {
-            "fla chunk_kda (probe: k unit, no l2norm)": lambda: chunk_kda(q, k_unit, v, g, beta, scale=d**-0.5, output_final_state=True),
             "fla chunk_kda l2norm in kernel": lambda: chunk_kda(q, k, v, g, beta, scale=d**-0.5, output_final_state=True, use_qk_l2norm_in_kernel=True),
-            "fla chunk_kda l2norm safe_gate lb=-5": lambda: chunk_kda(
-                q, k, v, g, beta, scale=d**-0.5, output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0
-            ),
         }
         for name, fn in variants.items():
             try:
@@ -179,7 +180,7 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
             except Exception as e:
                 traceback.print_exc()
                 log(f"{name} {shape}: FAILED {type(e).__name__}")
-        del q, k, v, g, beta, k_unit
+        del q, k, v, g, beta
         torch.cuda.empty_cache()
     except Exception:
         traceback.print_exc()
@@ -187,8 +188,7 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
         from jla.ops.mosaic_gpu.kda import kda as jla_kda
 
         q, k, v, g, beta = to_jax(*np_in)
-        k_unit = (k.astype(jnp.float32) / jnp.linalg.norm(k.astype(jnp.float32), axis=-1, keepdims=True)).astype(jnp.bfloat16)
-        for name, kk, l2 in [("jla kda (probe: k unit, no l2norm)", k_unit, False), ("jla kda l2norm", k, True)]:
+        for name, kk, l2 in [("jla kda l2norm", k, True)]:
             try:
                 fn = jax.jit(lambda q, k, v, g, b, l2=l2: jla_kda(q, k, v, g, b, scale=d**-0.5, output_final_state=True, use_qk_l2norm=l2))
                 o, s = fn(q, kk, v, g, beta)
@@ -223,27 +223,38 @@ def decode_inputs(b, h, d, seed=0):
     )
 
 
-def bench_decode(hbm):
+def bench_decode(hbm, block_vs=(32, 64)):
     h, d = (2, 32) if INTERPRET else (64, 128)
     log(f"\n== decode step, H={h} D={d}")
     for b in DECODE_BATCHES:
         x = decode_inputs(b, h, d)
         ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
-        got = jax.jit(lambda x: kda.kda_decode_step(**x, lower_bound=-5.0, implementation="pallas", interpret=INTERPRET))(dict(x))
-        err = max(relative_error(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref))
         fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
-
-        def step(carry):
-            conv_state, state = carry
-            _, conv_state, state = kda.kda_decode_step(
-                conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, implementation="pallas", interpret=INTERPRET
-            )
-            return conv_state, state
-
-        ms = loop_ms(step, (x["conv_state"], x["state"]), n=50)
         roof = 2 * b * h * d * d * 4 / hbm * 1e3
-        log(f"ours decode B={b}: {ms:.4f} ms  roofline {roof:.4f} ms ({roof / ms * 100:.0f}%)  err {err:.2e}")
-        ROWS.append(("decode", "ours kda_decode_step (conv+gate fused)", f"B={b}", err, ms, f"{roof / ms * 100:.0f}% of {roof:.4f} ms"))
+        for block_v in block_vs:
+            def call(conv_state, state, block_v=block_v):
+                return kda_triton.decode_step(
+                    conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, interpret=INTERPRET
+                )
+
+            got = jax.jit(call)(x["conv_state"], x["state"])
+            err = max(relative_error(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref))
+            ms = loop_ms(lambda carry: call(*carry)[1:], (x["conv_state"], x["state"]), n=50)
+            # one donated call at a time (JAX dispatch included): the state is updated in place
+            donated = jax.jit(call, donate_argnums=(1,))
+            state = x["state"] + 0
+            times = []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                _, _, state = donated(x["conv_state"], state)
+                state.block_until_ready()
+                times.append(time.perf_counter() - t0)
+            ms_call = statistics.median(times[5:]) * 1e3
+            log(f"ours decode B={b} block_v={block_v}: {ms:.4f} ms in a loop, {ms_call:.4f} ms per donated call;"
+                f" roofline {roof:.4f} ms ({roof / ms * 100:.0f}%)  err {err:.2e}")
+            ROWS.append(("decode", f"ours kda_decode_step block_v={block_v}", f"B={b}", err, ms, f"{roof / ms * 100:.0f}% of {roof:.4f} ms; {ms_call:.4f} ms per donated call"))
+    if not PEERS:
+        return
     try:
         import torch
         import triton
@@ -266,12 +277,7 @@ def bench_decode(hbm):
         traceback.print_exc()
 
 
-def hbm_bandwidth():
-    x = jnp.ones((1 << (16 if INTERPRET else 29),), jnp.bfloat16)  # 1 GiB
-    ms = loop_ms(lambda y: y * 1.0001, x, n=10)
-    bw = 2 * x.nbytes / (ms / 1e3)
-    log(f"HBM: read+write of 1 GiB: {ms:.3f} ms -> {bw / 1e12:.2f} TB/s")
-    return bw
+HBM = 4.3e12  # bytes/s, read + write, measured on this machine (KINDS.md): the roofline's bandwidth
 
 
 def main():
@@ -279,13 +285,15 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS), help="scan configs to time: " + ",".join(CONFIGS))
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,prefill,decode")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny shapes, Pallas interpreter")
+    parser.add_argument("--no-peers", action="store_true", help="time our kernels only")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
+    global INTERPRET, PREFILL_SHAPES, DECODE_BATCHES, PEERS
+    PEERS = not args.no_peers
     if args.interpret:
-        global INTERPRET, PREFILL_SHAPES, DECODE_BATCHES
         INTERPRET, PREFILL_SHAPES, DECODE_BATCHES = True, [(1, 128, 2, 32)], [2]
     log("jax", jax.__version__, jax.devices())
-    hbm = hbm_bandwidth()
+    hbm = HBM
     if "check" not in skip:
         check_small()
     if "decode" not in skip:
