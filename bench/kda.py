@@ -130,7 +130,7 @@ def bench_prefill(configs):
             except Exception as e:
                 traceback.print_exc()
                 log(f"ours {name} {shape}: FAILED {type(e).__name__}")
-        for name in INTRA_VARIANTS if (b, t, h, d) == PREFILL_SHAPES[1] else ():
+        for name in INTRA_VARIANTS if (b, t, h, d) == PREFILL_SHAPES[min(1, len(PREFILL_SHAPES) - 1)] else ():
             if name in configs:
                 split_timing(q, k, v, g, beta, configs[name], f"{shape} {name}")
         if PEERS:
