@@ -21,7 +21,7 @@ from .layers.kda import kda_layer_cached, kda_layer_decode
 from .model import _check_ids_in_range, decoder_layer, embed, final_logits
 
 
-def _cached_layers(params, config: Config, streams, cache, valid, decode: bool):
+def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, implementation):
     start = cache["lengths"]
     layers = []
     indices = None
@@ -32,9 +32,9 @@ def _cached_layers(params, config: Config, streams, cache, valid, decode: bool):
                 y, new_lc, idx = dsa_layer_cached(pa, h, config, lc, cache["page_table"], start, valid, indices)
                 return y, (new_lc, idx)
             if decode:
-                y, new_lc = kda_layer_decode(pa, h, config, lc)
+                y, new_lc = kda_layer_decode(pa, h, config, lc, implementation)
             else:
-                y, new_lc = kda_layer_cached(pa, h, config, lc, valid)
+                y, new_lc = kda_layer_cached(pa, h, config, lc, valid, implementation)
             return y, (new_lc, None)
 
         streams, (lc, indices) = decoder_layer(p, streams, config, i, attend)
@@ -43,10 +43,10 @@ def _cached_layers(params, config: Config, streams, cache, valid, decode: bool):
     return streams, new_cache
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def _prefill(params, config: Config, ids, valid, offset, cache):
+@functools.partial(jax.jit, static_argnames=("config", "implementation"))
+def _prefill(params, config: Config, ids, valid, offset, cache, implementation=None):
     streams = embed(params, ids, config)
-    streams, cache = _cached_layers(params, config, streams, cache, valid, decode=False)
+    streams, cache = _cached_layers(params, config, streams, cache, valid, False, implementation)
     logits = final_logits(params, streams, config)
     # Back to the caller's layout: compacted position i of row b was at offset[b] + i.
     t = ids.shape[1]
@@ -54,20 +54,20 @@ def _prefill(params, config: Config, ids, valid, offset, cache):
     return jnp.take_along_axis(logits, back[..., None], axis=1), cache
 
 
-@functools.partial(jax.jit, static_argnames="config", donate_argnames="cache")
-def _decode(params, config: Config, token_ids, cache):
+@functools.partial(jax.jit, static_argnames=("config", "implementation"), donate_argnames="cache")
+def _decode(params, config: Config, token_ids, cache, implementation=None):
     streams = embed(params, token_ids[:, None], config)
     valid = jnp.ones(token_ids.shape + (1,), jnp.bool_)
-    streams, cache = _cached_layers(params, config, streams, cache, valid, decode=True)
+    streams, cache = _cached_layers(params, config, streams, cache, valid, True, implementation)
     return final_logits(params, streams, config)[:, 0], cache
 
 
-def prefill(params, config: Config, ids, attention_mask, cache):
+def prefill(params, config: Config, ids, attention_mask, cache, *, implementation=None):
     """Append a chunk of tokens to every sequence of the cache; returns (logits [B, T, vocab], cache).
 
     ids [B, T]; attention_mask [B, T] of 0/1 (None: all 1), each row left- or right-padded. Rows
     may add different numbers of tokens (a row of zeros adds none). On an empty cache this is the
-    prompt prefill, on a live one a continuation prefill.
+    prompt prefill, on a live one a continuation prefill. implementation: as in `forward`.
     """
     ids = np.asarray(ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
@@ -88,10 +88,13 @@ def prefill(params, config: Config, ids, attention_mask, cache):
     compact = (np.arange(ids.shape[1])[None] + offset[:, None]) % ids.shape[1]
     ids = np.take_along_axis(ids, compact, axis=1)
     valid = np.arange(ids.shape[1])[None] < n_new[:, None]
-    return _prefill(params, config, jnp.asarray(ids, jnp.int32), jnp.asarray(valid), jnp.asarray(offset, jnp.int32), cache)
+    return _prefill(
+        params, config, jnp.asarray(ids, jnp.int32), jnp.asarray(valid), jnp.asarray(offset, jnp.int32), cache,
+        implementation,
+    )
 
 
-def decode_step(params, config: Config, token_ids, cache):
+def decode_step(params, config: Config, token_ids, cache, *, implementation=None):
     """One token for each sequence: token_ids [B] (or [B, 1]) -> (logits [B, vocab], cache).
 
     The input cache's buffers are donated (updated in place on accelerators): use the returned one.
@@ -103,12 +106,12 @@ def decode_step(params, config: Config, token_ids, cache):
         raise ValueError(f"token_ids must be an integer array [B] or [B, 1], got {token_ids.dtype} {token_ids.shape}")
     _check_ids_in_range(token_ids, config.vocab_size)
     check_cache(params, config, cache, token_ids.shape[0], np.ones(token_ids.shape[0], np.int64))
-    return decode_unchecked(params, config, jnp.asarray(token_ids, jnp.int32), cache)
+    return decode_unchecked(params, config, jnp.asarray(token_ids, jnp.int32), cache, implementation)
 
 
-def decode_unchecked(params, config: Config, token_ids, cache):
+def decode_unchecked(params, config: Config, token_ids, cache, implementation=None):
     """decode_step without the host-side checks, for loops that have checked their own bounds."""
-    return _decode(params, config, token_ids, cache)
+    return _decode(params, config, token_ids, cache, implementation)
 
 
 def check_cache(params, config: Config, cache, batch: int, n_new) -> None:

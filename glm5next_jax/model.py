@@ -31,13 +31,13 @@ def decoder_layer(p, streams, config: Config, layer: int, attend):
     return hyper.expand(post, comb, y, streams), aux
 
 
-def uncached_attention(config: Config, layer: int, padding_mask, shared_indices):
+def uncached_attention(config: Config, layer: int, padding_mask, shared_indices, implementation=None):
     """The attention sublayer of a whole-sequence forward; aux is the DSA selection (or None)."""
 
     def attend(p, h):
         if config.layer_types[layer] == DSA:
             return dsa_layer(p, h, config, padding_mask, shared_indices)
-        return kda_layer(p, h, config, padding_mask), None
+        return kda_layer(p, h, config, padding_mask, implementation), None
 
     return attend
 
@@ -53,20 +53,23 @@ def embed(params, input_ids, config: Config):
     return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], config.hc_mult, x.shape[-1]))
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def _forward(params, config: Config, input_ids, attention_mask):
+@functools.partial(jax.jit, static_argnames=("config", "implementation"))
+def _forward(params, config: Config, input_ids, attention_mask, implementation=None):
     padding_mask = attention_mask.astype(jnp.bool_)
     streams = embed(params, input_ids, config)
     indices = None
     for i, p in enumerate(params["layers"]):
-        streams, indices = decoder_layer(p, streams, config, i, uncached_attention(config, i, padding_mask, indices))
+        attend = uncached_attention(config, i, padding_mask, indices, implementation)
+        streams, indices = decoder_layer(p, streams, config, i, attend)
     return final_logits(params, streams, config)
 
 
-def forward(params, config: Config, input_ids, attention_mask=None):
+def forward(params, config: Config, input_ids, attention_mask=None, *, implementation=None):
     """Logits [B, T, vocab] (fp32) for int token ids [B, T] and an optional 0/1 mask [B, T].
 
     Padding may be on the left or the right; padded positions get logits but they carry no meaning.
+    implementation picks the kernels: None (Pallas where it applies on GPU, else the pure-jnp
+    references), "reference" or "pallas".
     """
     input_ids = jnp.asarray(input_ids)
     if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
@@ -82,7 +85,7 @@ def forward(params, config: Config, input_ids, attention_mask=None):
         # transformers ignores the mask of a single-token input (a lone token is never padding).
         attention_mask = jnp.ones(input_ids.shape, jnp.bool_)
     _check_ids_in_range(input_ids, config.vocab_size)
-    return _forward(params, config, input_ids.astype(jnp.int32), attention_mask)
+    return _forward(params, config, input_ids.astype(jnp.int32), attention_mask, implementation)
 
 
 def _check_ids_in_range(input_ids, vocab_size):

@@ -47,12 +47,14 @@ def kda_output(p, h, o, config):
     return linear(normed.reshape(*o.shape[:-2], -1), p["o_proj"])
 
 
-def kda_layer(p, h, config, padding_mask=None):
-    """Uncached KDA sublayer over a whole sequence. h [B, T, D]; padding_mask [B, T] zeroes pad rows."""
+def kda_layer(p, h, config, padding_mask=None, implementation=None):
+    """Uncached KDA sublayer over a whole sequence. h [B, T, D]; padding_mask [B, T] zeroes pad rows.
+
+    implementation: None (Pallas on GPU, else the reference), "reference" or "pallas"."""
     if padding_mask is not None:
         h = h * padding_mask[..., None].astype(h.dtype)
     q, k, v, g, beta, _ = kda_inputs(p, h, config)
-    o, _ = kda_core.kda_chunk_scan(q, k, v, g, beta)
+    o, _ = kda_core.kda_chunk_scan(q, k, v, g, beta, implementation=implementation)
     return kda_output(p, h, o, config)
 
 
@@ -65,7 +67,7 @@ def roll_conv_state(conv_state, x, n_new):
     return jnp.moveaxis(jnp.take_along_axis(history, window, axis=1), 1, -1)
 
 
-def kda_layer_cached(p, h, config, layer_cache, valid):
+def kda_layer_cached(p, h, config, layer_cache, valid, implementation=None):
     """KDA over new tokens appended to a live state. h [B, T, D]; valid [B, T] marks each row's new
     tokens (a prefix of the row). Padding rows neither decay nor update the state (g = 0, beta = 0),
     and the conv state keeps each row's own last K inputs. Returns (y, new layer cache)."""
@@ -77,11 +79,11 @@ def kda_layer_cached(p, h, config, layer_cache, valid):
     q, k, v = (y[..., i, :].reshape(*y.shape[:-2], heads, head_dim) for i in range(3))
     g = jnp.where(valid[..., None, None], gate_log_decay(p, h, config), 0.0)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(h, p["b_proj"])), 0)
-    o, state = kda_core.kda_chunk_scan(q, k, v, g, beta, layer_cache["state"])
+    o, state = kda_core.kda_chunk_scan(q, k, v, g, beta, layer_cache["state"], implementation=implementation)
     return kda_output(p, h, o, config), {"conv": conv_state, "state": state}
 
 
-def kda_layer_decode(p, h, config, layer_cache):
+def kda_layer_decode(p, h, config, layer_cache, implementation=None):
     """One new token per sequence (h [B, 1, D]) through the fused decode step."""
     o, conv_state, state = kda_core.kda_decode_step(
         linear(h[:, 0], p["qkv_proj"]),
@@ -93,5 +95,6 @@ def kda_layer_decode(p, h, config, layer_cache):
         linear(h[:, 0], p["b_proj"]),
         layer_cache["state"],
         lower_bound=config.linear_lower_bound,
+        implementation=implementation,
     )
     return kda_output(p, h, o[:, None], config), {"conv": conv_state, "state": state}
