@@ -20,8 +20,14 @@ their factor is clamped so that nothing overflows.
 
 Precision (bf16 inputs, fp32 state): dots of fp32 operands run in tf32 inside a chunk; along the
 chain S is split into two bf16 halves for w S (w is stored in bf16), and (q 2^G) S, A_qk v_new and
-k^T v_new use three bf16 passes, so the rounding of what feeds o and S stays near fp32. Rounding u,
-q 2^G, k 2^(G_last - G) or A_qk to bf16 would cost 1e-3 to 3e-3 relative error, so they stay fp32.
+k^T v_new run in tf32 (or three bf16 passes with `chain_x3`). Measured on the H200 against the fp32
+reference: state error 6e-4 (3e-4 with chain_x3), outputs at the bf16 rounding floor; fla and jla
+are at 6e-3 to 7e-3 on the same inputs. Rounding u, q 2^G, k 2^(G_last - G) or A_qk to bf16 (as
+fla does) would cost 1e-3 to 3e-3 relative error, so they stay fp32 in HBM.
+
+Speed (bench/RESULTS.md): about 3x slower than fla's chunk_kda. The intra kernel dominates: it
+runs 10 dependent 64x64 products for T plus eight 64x64x32 products per channel slice, each a
+round trip between registers and shared memory, with one or two programs per SM.
 """
 
 import dataclasses
@@ -48,12 +54,12 @@ X3 = lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 class ScanConfig:
     """Launch shape of the prefill kernels (benchmarked in bench/kda.py)."""
 
-    block_v: int = 64  # value columns of the state per chain program
-    intra_warps: int = 8
+    block_v: int = 32  # value columns of the state per chain program
+    intra_warps: int = 4
     chain_warps: int = 4
     chain_stages: int = 2
     intra_width: int = 32  # key channels per slice inside the intra kernel
-    chain_x3: bool = True  # three bf16 passes (else tf32) for (q 2^G) S, A_qk v_new and k^T v_new
+    chain_x3: bool = False  # three bf16 passes (else tf32) for (q 2^G) S, A_qk v_new and k^T v_new
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False, precision=None):

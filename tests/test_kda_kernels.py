@@ -1,0 +1,147 @@
+"""The Pallas KDA kernels (run in Pallas' interpreter on the CPU) against the pure-jnp references,
+and the dispatch's argument checks.
+
+Inputs are bf16 values; the chunked scan is compared in fp32 (inputs upcast) so that the error is
+the kernel's, not the rounding of a bf16 output (one bf16 ulp at the largest output is up to 7.8e-3
+of it); one test runs the real bf16 path. On the CPU the kernels' tf32 dots run in fp32; the GPU
+numbers are in bench/RESULTS.md.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import relative_error
+
+from pallas_kernels import kda
+
+TOLERANCE = 2e-3
+
+
+def bf16_valued(*xs):
+    return [x.astype(jnp.bfloat16).astype(jnp.float32) for x in xs]
+
+
+def scan_inputs(seed, b, t, h, d, *, gate="random"):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q, k, v = bf16_valued(*(jax.random.normal(kk, (b, t, h, d)) for kk in ks[:3]))
+    if gate == "lower_bound":
+        g = jnp.full((b, t, h, d), -5.0)
+    else:
+        g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, t, h, d)))
+    (beta,) = bf16_valued(jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))))
+    return q, k, v, g, beta
+
+
+def pallas_scan(*args, **kwargs):
+    return kda.kda_chunk_scan(*args, implementation="pallas", interpret=True, **kwargs)
+
+
+def assert_scan_matches(args, initial_state=None, lengths=None):
+    o, s = pallas_scan(*args, initial_state, lengths=lengths)
+    o_ref, s_ref = kda.kda_chunk_scan_reference(*args, initial_state, lengths=lengths)
+    b, t = o.shape[:2]
+    valid = np.ones((b, t), bool) if lengths is None else np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert o.shape == o_ref.shape and s.shape == s_ref.shape
+    assert relative_error(np.asarray(o)[valid], np.asarray(o_ref)[valid]) < TOLERANCE
+    assert relative_error(s, s_ref) < TOLERANCE
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("h", [1, 4])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_scan_matches_reference(t, h, with_state):
+    args = scan_inputs(t * 10 + h, 2, t, h, 16)
+    s0 = jax.random.normal(jax.random.key(t), (2, h, 16, 16)) if with_state else None
+    assert_scan_matches(args, s0)
+
+
+def test_chunk_scan_head_dim_128_gates_at_the_lower_bound():
+    """exp(-5 * 15) inside a sub-chunk is where the factored decays come closest to overflowing."""
+    args = scan_inputs(1, 1, 130, 1, 128, gate="lower_bound")
+    assert_scan_matches(args, jax.random.normal(jax.random.key(1), (1, 1, 128, 128)))
+
+
+def test_chunk_scan_head_dim_128_random_gates():
+    assert_scan_matches(scan_inputs(2, 1, 100, 2, 128))
+
+
+def test_chunk_scan_ragged_lengths_in_one_batch():
+    args = scan_inputs(3, 3, 200, 2, 32)
+    s0 = jax.random.normal(jax.random.key(3), (3, 2, 32, 32))
+    assert_scan_matches(args, s0, lengths=jnp.array([200, 1, 77], jnp.int32))
+
+
+def test_lengths_in_the_reference_stop_each_sequence_at_its_own_end():
+    q, k, v, g, beta = scan_inputs(4, 2, 90, 2, 16)
+    lengths = jnp.array([90, 37], jnp.int32)
+    o, s = kda.kda_chunk_scan_reference(q, k, v, g, beta, lengths=lengths)
+    o_short, s_short = kda.kda_chunk_scan_reference(*(x[1:, :37] for x in (q, k, v, g, beta)))
+    assert relative_error(o[1, :37], o_short[0]) < 1e-5 and relative_error(s[1], s_short[0]) < 1e-5
+    o_rec, s_rec = kda.kda_recurrent_reference(q, k, v, g, beta, lengths=lengths)
+    assert relative_error(s_rec, s) < 1e-5
+
+
+def test_chunk_scan_bf16_arrays():
+    q, k, v, g, beta = scan_inputs(5, 1, 96, 2, 32)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v, beta)]
+    o, s = pallas_scan(*bf[:3], g, bf[3])
+    o_ref, s_ref = kda.kda_chunk_scan_reference(q, k, v, g, beta)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    assert relative_error(o, o_ref) < 1e-2  # the bf16 rounding of o, at most one ulp
+    assert relative_error(s, s_ref) < TOLERANCE
+
+
+def decode_inputs(seed, b, h, d):
+    c = h * d
+    ks = jax.random.split(jax.random.key(seed), 8)
+    return dict(
+        qkv=jax.random.normal(ks[0], (b, 3, c), jnp.bfloat16),
+        conv_state=jax.random.normal(ks[1], (b, 3, c, 4), jnp.bfloat16),
+        conv_weight=0.5 * jax.random.normal(ks[2], (4, 3, c)),
+        f=jax.random.normal(ks[3], (b, c), jnp.bfloat16),
+        dt_bias=0.1 * jax.random.normal(ks[4], (c,)),
+        a_log=0.3 * jax.random.normal(ks[5], (h,)),
+        beta_logits=jax.random.normal(ks[6], (b, h), jnp.bfloat16),
+        state=jax.random.normal(ks[7], (b, h, d, d)),
+    )
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("b, h, d", [(3, 2, 16), (2, 2, 64), (1, 1, 128)])
+def test_decode_step_matches_reference(lower_bound, b, h, d):
+    x = decode_inputs(d + b, b, h, d)
+    got = kda.kda_decode_step(**x, lower_bound=lower_bound, implementation="pallas", interpret=True)
+    want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
+    for name, a, r in zip(["o", "conv_state", "state"], got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert relative_error(a, r) < TOLERANCE, name
+
+
+def test_auto_dispatch_on_cpu_is_the_reference():
+    args = scan_inputs(6, 1, 70, 1, 16)
+    o, s = kda.kda_chunk_scan(*args)
+    o_ref, s_ref = kda.kda_chunk_scan_reference(*args)
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(s, s_ref)
+
+
+def test_bad_arguments_raise_before_any_launch():
+    q, k, v, g, beta = scan_inputs(7, 2, 10, 2, 16)
+    with pytest.raises(ValueError, match="beta"):
+        pallas_scan(q, k, v, g, beta[:, :, :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        pallas_scan(q, k, v, g, beta, jnp.zeros((2, 2, 16, 8)))
+    with pytest.raises(ValueError, match="lengths"):
+        pallas_scan(q, k, v, g, beta, lengths=jnp.array([3], jnp.int32))
+    with pytest.raises(ValueError, match="chunk_size"):
+        pallas_scan(q, k, v, g, beta, chunk_size=32)
+    with pytest.raises(ValueError, match="powers of two"):
+        pallas_scan(q[..., :12], k[..., :12], v, g[..., :12], beta)
+    with pytest.raises(ValueError, match="implementation"):
+        kda.kda_chunk_scan(q, k, v, g, beta, implementation="triton")
+    x = decode_inputs(8, 2, 2, 16)
+    with pytest.raises(ValueError, match="state"):
+        kda.kda_decode_step(**{**x, "state": x["state"][:, :1]}, lower_bound=-5.0, implementation="pallas")
+    with pytest.raises(ValueError, match="conv_state"):
+        kda.kda_decode_step(**{**x, "conv_state": x["conv_state"][..., :3]}, lower_bound=-5.0)
