@@ -47,6 +47,20 @@ def kda_output(p, h, o, config):
     return linear(normed.reshape(*o.shape[:-2], -1), p["o_proj"])
 
 
+def scan_implementation(config, implementation):
+    """The chunked scan's implementation: the Pallas scan factors decays through 16-token sub-chunks
+    and is exact only for gates >= kda_triton.MIN_GATE, which the lower bound guarantees."""
+    bounded = config.linear_lower_bound is not None and config.linear_lower_bound >= kda_core.kda_triton.MIN_GATE
+    if bounded:
+        return implementation
+    if implementation == "pallas":
+        raise ValueError(
+            f"the Pallas KDA scan needs gates bounded below by {kda_core.kda_triton.MIN_GATE}; this config's "
+            f"linear_lower_bound is {config.linear_lower_bound}: use implementation='reference'"
+        )
+    return "reference"
+
+
 def kda_layer(p, h, config, padding_mask=None, implementation=None):
     """Uncached KDA sublayer over a whole sequence. h [B, T, D]; padding_mask [B, T] zeroes pad rows.
 
@@ -54,7 +68,7 @@ def kda_layer(p, h, config, padding_mask=None, implementation=None):
     if padding_mask is not None:
         h = h * padding_mask[..., None].astype(h.dtype)
     q, k, v, g, beta, _ = kda_inputs(p, h, config)
-    o, _ = kda_core.kda_chunk_scan(q, k, v, g, beta, implementation=implementation)
+    o, _ = kda_core.kda_chunk_scan(q, k, v, g, beta, implementation=scan_implementation(config, implementation))
     return kda_output(p, h, o, config)
 
 
@@ -79,7 +93,9 @@ def kda_layer_cached(p, h, config, layer_cache, valid, implementation=None):
     q, k, v = (y[..., i, :].reshape(*y.shape[:-2], heads, head_dim) for i in range(3))
     g = jnp.where(valid[..., None, None], gate_log_decay(p, h, config), 0.0)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(h, p["b_proj"])), 0)
-    o, state = kda_core.kda_chunk_scan(q, k, v, g, beta, layer_cache["state"], implementation=implementation)
+    o, state = kda_core.kda_chunk_scan(
+        q, k, v, g, beta, layer_cache["state"], implementation=scan_implementation(config, implementation)
+    )
     return kda_output(p, h, o, config), {"conv": conv_state, "state": state}
 
 
