@@ -18,7 +18,7 @@ from .inference import decode_unchecked, prefill
 class Generation:
     tokens: list[list[int]]  # new tokens per prompt (up to and including its EOS)
     finished: list[bool]  # stopped on an EOS id (else it ran out of max_new_tokens)
-    cache: dict  # the cache after the last step, to continue or to save
+    cache: dict  # holds the prompts and every new token but the last (decode_step takes that one next)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
