@@ -187,3 +187,12 @@ def test_bf16_dsa_where_selection_agrees(goldens):
     # A query's output also depends on earlier queries only through the keys, which bf16 does not
     # select differently, so rows with the same selection are comparable on their own.
     check("bf16 dsa_layer (queries selecting alike)", y, data["y"], same, tolerance=BF16_TOLERANCE)
+
+
+def test_pallas_scan_only_for_bounded_gates():
+    """The Pallas scan is exact for gates >= MIN_GATE: unbounded (softplus) gates stay on the reference."""
+    bounded, unbounded = Config(), Config(linear_lower_bound=None)
+    assert kda.scan_implementation(bounded, None) is None and kda.scan_implementation(bounded, "pallas") == "pallas"
+    assert kda.scan_implementation(unbounded, None) == "reference"
+    with pytest.raises(ValueError, match="use implementation='reference'"):
+        kda.scan_implementation(unbounded, "pallas")
