@@ -51,10 +51,10 @@ print(json.dumps(out))
 """
 
 
-def test_sharded_forward_matches_transformers(goldens):
+def test_sharded_forward_matches_transformers(goldens, tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     data = dict(np.load(os.path.join(goldens, "cases", "tiny_right_pad.npz")))  # batch 3: add a 4th row
-    padded = os.path.join(goldens, "cases_sharded_b4.npz")
+    padded = str(tmp_path / "batch4.npz")
     np.savez(padded, ids=np.concatenate([data["ids"], data["ids"][:1]]), mask=np.concatenate([data["mask"], data["mask"][:1]]),
              logits=np.concatenate([data["logits"], data["logits"][:1]]))
     result = subprocess.run([sys.executable, "-c", SHARDED_RUN, SHIPPED, padded], env=env, cwd=ROOT,
