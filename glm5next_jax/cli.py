@@ -23,16 +23,6 @@ def parse_id_batch(text: str) -> list[list[int]]:
     return rows
 
 
-def right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    width = max(len(r) for r in rows)
-    ids = np.zeros((len(rows), width), np.int32)
-    mask = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = r
-        mask[i, : len(r)] = 1
-    return ids, mask
-
-
 def progress_bar(label):
     def show(done, total):
         width = 30
@@ -104,6 +94,7 @@ def cmd_generate(args):
 
 def cmd_logits(args):
     import glm5next_jax
+    from .generate import right_padded
 
     config, params = load_model(args.checkpoint, args.dtype)
     ids, mask = right_padded(parse_id_batch(args.ids))

@@ -21,6 +21,17 @@ class Generation:
     cache: dict  # holds the prompts and every new token but the last (decode_step takes that one next)
 
 
+def right_padded(prompts) -> tuple[np.ndarray, np.ndarray]:
+    """Token-id lists of different lengths -> right-padded ids [B, T] and their 0/1 mask."""
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), width), np.int32)
+    mask = np.zeros((len(prompts), width), np.int32)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+        mask[b, : len(p)] = 1
+    return ids, mask
+
+
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
 def sample(logits, key, *, temperature: float, top_k: int | None, top_p: float | None):
     """Next tokens [B] from logits [B, V]: argmax at temperature 0, else softmax(logits / T) restricted
@@ -77,12 +88,8 @@ def generate(
     eos = np.asarray(sorted(eos), np.int64)
 
     batch = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = np.zeros((batch, width), np.int32)
-    mask = np.zeros((batch, width), np.int32)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = p
-        mask[b, : len(p)] = 1
+    ids, mask = right_padded(prompts)
+    width = ids.shape[1]
     max_len = -(-(width + max_new_tokens) // page_size) * page_size
     cache = init_cache(
         config, batch, max_len, latent_dtype=latent_dtype, page_size=page_size, dtype=params["embed_tokens"].dtype

@@ -18,7 +18,7 @@ from . import cache as cache_lib
 from .config import DSA, Config
 from .layers.dsa import dsa_layer_cached
 from .layers.kda import kda_layer_cached, kda_layer_decode
-from .model import _check_ids_in_range, decoder_layer, embed, final_logits
+from .model import check_ids_in_range, check_token_batch, decoder_layer, embed, final_logits
 
 
 def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, implementation):
@@ -69,21 +69,14 @@ def prefill(params, config: Config, ids, attention_mask, cache, *, implementatio
     may add different numbers of tokens (a row of zeros adds none). On an empty cache this is the
     prompt prefill, on a live one a continuation prefill. implementation: as in `forward`.
     """
+    check_token_batch(ids, attention_mask, config.vocab_size)
     ids = np.asarray(ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
-    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask)
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask must match ids' shape {ids.shape}, got {mask.shape}")
-    if not np.isin(np.unique(mask), [0, 1]).all():
-        raise ValueError("attention_mask must hold only 0 and 1")
-    mask = mask.astype(bool)
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
     n_new = mask.sum(1)
     offset = np.where(mask[:, 0] | (n_new == 0), 0, ids.shape[1] - n_new)
     contiguous = np.array([mask[b, offset[b] : offset[b] + n_new[b]].all() for b in range(len(mask))])
     if not contiguous.all():
         raise ValueError(f"attention_mask rows {np.nonzero(~contiguous)[0].tolist()} are neither left- nor right-padded")
-    _check_ids_in_range(ids, config.vocab_size)
     check_cache(params, config, cache, ids.shape[0], n_new)
     compact = (np.arange(ids.shape[1])[None] + offset[:, None]) % ids.shape[1]
     ids = np.take_along_axis(ids, compact, axis=1)
@@ -104,7 +97,7 @@ def decode_step(params, config: Config, token_ids, cache, *, implementation=None
         token_ids = token_ids[:, 0]
     if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
         raise ValueError(f"token_ids must be an integer array [B] or [B, 1], got {token_ids.dtype} {token_ids.shape}")
-    _check_ids_in_range(token_ids, config.vocab_size)
+    check_ids_in_range(token_ids, config.vocab_size)
     check_cache(params, config, cache, token_ids.shape[0], np.ones(token_ids.shape[0], np.int64))
     return decode_unchecked(params, config, jnp.asarray(token_ids, jnp.int32), cache, implementation)
 

@@ -71,34 +71,34 @@ def forward(params, config: Config, input_ids, attention_mask=None, *, implement
     implementation picks the kernels: None (Pallas where it applies on GPU, else the pure-jnp
     references), "reference" or "pallas".
     """
+    check_token_batch(input_ids, attention_mask, config.vocab_size)
     input_ids = jnp.asarray(input_ids)
-    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise ValueError(f"input_ids must be an integer array [B, T], got {input_ids.dtype} {input_ids.shape}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids must hold at least one token per row (T >= 1)")
-    if attention_mask is not None:
-        attention_mask = jnp.asarray(attention_mask)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask must match input_ids' shape {input_ids.shape}, got {attention_mask.shape}")
-        _check_mask_values(attention_mask)
     if attention_mask is None or input_ids.shape[1] == 1:
         # transformers ignores the mask of a single-token input (a lone token is never padding).
         attention_mask = jnp.ones(input_ids.shape, jnp.bool_)
-    _check_ids_in_range(input_ids, config.vocab_size)
     return _forward(params, config, input_ids.astype(jnp.int32), attention_mask, implementation)
 
 
-def _check_ids_in_range(input_ids, vocab_size):
+def check_token_batch(input_ids, attention_mask, vocab_size):
+    """Integer ids [B, T] (T >= 1) in [0, vocab_size) and an optional 0/1 mask of the same shape."""
+    shape, dtype = np.shape(input_ids), getattr(input_ids, "dtype", np.asarray(input_ids).dtype)
+    if len(shape) != 2 or not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"input_ids must be an integer array [B, T], got {dtype} {shape}")
+    if shape[1] == 0:
+        raise ValueError("input_ids must hold at least one token per row (T >= 1)")
+    check_ids_in_range(input_ids, vocab_size)
+    if attention_mask is not None:
+        if np.shape(attention_mask) != shape:
+            raise ValueError(f"attention_mask must match input_ids' shape {shape}, got {np.shape(attention_mask)}")
+        if not isinstance(attention_mask, jax.core.Tracer):
+            values = np.unique(np.asarray(attention_mask))
+            if not np.isin(values, [0, 1]).all():
+                raise ValueError(f"attention_mask must hold only 0 and 1, got values {values[:8].tolist()}")
+
+
+def check_ids_in_range(input_ids, vocab_size):
     if isinstance(input_ids, jax.core.Tracer):
         return
     ids = np.asarray(input_ids)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"input_ids must lie in [0, {vocab_size}), got values in [{ids.min()}, {ids.max()}]")
-
-
-def _check_mask_values(mask):
-    if isinstance(mask, jax.core.Tracer):
-        return
-    values = np.unique(np.asarray(mask))
-    if not np.isin(values, [0, 1]).all():
-        raise ValueError(f"attention_mask must hold only 0 and 1, got values {values[:8].tolist()}")

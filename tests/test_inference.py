@@ -189,3 +189,24 @@ def test_indexer_cache_ahead_is_rewound(model):
     got, after = glm5next_jax.decode_step(params, config, ids[:, 40], ahead)
     assert relative_error(got, want) < EXACT
     np.testing.assert_array_equal(after["layers"][3]["indexer_length"], after["lengths"])
+
+
+@pytest.mark.parametrize("entry", ["forward", "prefill"])
+def test_bad_token_batches_are_rejected(model, entry):
+    config, params = model
+
+    def call(ids, mask):
+        if entry == "forward":
+            return glm5next_jax.forward(params, config, ids, mask)
+        return glm5next_jax.prefill(params, config, ids, mask, fp32_cache(config, np.shape(ids)[0]))
+
+    ids = np.ones((2, 4), np.int32)
+    for bad_ids, mask, message in (
+        (ids.astype(np.float32), None, "integer array"),
+        (ids[:, :0], None, "at least one token"),
+        (ids + config.vocab_size, None, "must lie in"),
+        (ids, np.ones((2, 3)), "must match"),
+        (ids, 2 * np.ones((2, 4)), "only 0 and 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call(bad_ids, mask)
