@@ -28,14 +28,16 @@ from pallas_kernels import kda, kda_triton
 
 PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
 DECODE_BATCHES = [1, 64, 256]
-CONFIGS = {  # "default" is kda_triton.ScanConfig(); the others change one or two knobs of it
+CONFIGS = {  # "default" is kda_triton.ScanConfig(); the others change one knob of it
     "default": kda_triton.ScanConfig(),
-    "i8": kda_triton.ScanConfig(intra_warps=8),
-    "w64": kda_triton.ScanConfig(intra_width=64),
-    "v64x3": kda_triton.ScanConfig(block_v=64, chain_x3=True),
     "v16": kda_triton.ScanConfig(block_v=16),
+    "v64": kda_triton.ScanConfig(block_v=64),
+    "i8": kda_triton.ScanConfig(intra_warps=8),
+    "c8": kda_triton.ScanConfig(chain_warps=8),
+    "s3": kda_triton.ScanConfig(chain_stages=3),
 }
-INTRA_VARIANTS = ("default", "i8", "w64")  # configs whose intra kernels differ: timed alone too
+INTRA_VARIANTS = ("default", "i8")  # configs whose intra kernels differ: timed alone too
+DECODE_VARIANTS = [(32, 4), (16, 4), (64, 4), (64, 8), (128, 8)]  # (block_v, num_warps)
 ROWS = []  # (section, name, shape, error, ms, note)
 INTERPRET = False  # --interpret: a CPU smoke run of this script on tiny shapes
 PEERS = True
@@ -148,8 +150,8 @@ def split_timing(q, k, v, g, beta, cfg, shape):
 
     try:
         ms = loop_ms(step, jnp.float32(0))
-        # reads q, k, v (bf16), g (fp32), beta; writes w (bf16), u, q 2^G, k 2^(G_last - G), A_qk (fp32)
-        byts = b * t * h * (3 * 2 * d + 4 * d + 2 + 2 * d + 3 * 4 * d + 4 * kda_triton.CHUNK)
+        # reads q, k, v (bf16), g (fp32), beta; writes w (bf16), u, q_w, A_qk u, k 2^(G_last - G) (fp32)
+        byts = b * t * h * (3 * 2 * d + 4 * d + 2 + 2 * d + 4 * 4 * d)
         log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e6:.0f} GB/s of its {byts / 1e9:.2f} GB)")
         ROWS.append(("prefill", "  ours: intra kernel alone", shape, float("nan"), ms, f"{byts / ms / 1e6:.0f} GB/s"))
     except Exception:
@@ -222,7 +224,7 @@ def decode_inputs(b, h, d, seed=0):
     )
 
 
-def bench_decode(hbm, block_vs=(32,)):
+def bench_decode(hbm, variants=DECODE_VARIANTS):
     h, d = (2, 32) if INTERPRET else (64, 128)
     log(f"\n== decode step, H={h} D={d}")
     for b in DECODE_BATCHES:
@@ -230,10 +232,14 @@ def bench_decode(hbm, block_vs=(32,)):
         ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
         fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
         roof = 2 * b * h * d * d * 4 / hbm * 1e3
-        for block_v in block_vs:
-            def call(conv_state, state, block_v=block_v):
+        for block_v, warps in variants:
+            if block_v > d:
+                continue
+
+            def call(conv_state, state, block_v=block_v, warps=warps):
                 return kda_triton.decode_step(
-                    conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, interpret=INTERPRET
+                    conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, num_warps=warps,
+                    interpret=INTERPRET,
                 )
 
             got = jax.jit(call)(x["conv_state"], x["state"])
@@ -249,9 +255,9 @@ def bench_decode(hbm, block_vs=(32,)):
                 state.block_until_ready()
                 times.append(time.perf_counter() - t0)
             ms_call = statistics.median(times[5:]) * 1e3
-            log(f"ours decode B={b} block_v={block_v}: {ms:.4f} ms in a loop, {ms_call:.4f} ms per donated call;"
+            log(f"ours decode B={b} block_v={block_v} warps={warps}: {ms:.4f} ms in a loop, {ms_call:.4f} ms per donated call;"
                 f" roofline {roof:.4f} ms ({roof / ms * 100:.0f}%)  err {err:.2e}")
-            ROWS.append(("decode", f"ours kda_decode_step block_v={block_v}", f"B={b}", err, ms, f"{roof / ms * 100:.0f}% of {roof:.4f} ms; {ms_call:.4f} ms per donated call"))
+            ROWS.append(("decode", f"ours kda_decode_step block_v={block_v} warps={warps}", f"B={b}", err, ms, f"{roof / ms * 100:.0f}% of {roof:.4f} ms; {ms_call:.4f} ms per donated call"))
     if not PEERS:
         return
     try:

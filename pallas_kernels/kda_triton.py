@@ -42,12 +42,12 @@ from jax.experimental.pallas import triton as pltriton
 
 CHUNK = 64
 SUB_CHUNK = 16
+N_SUB = CHUNK // SUB_CHUNK
 LOG2E = math.log2(math.e)
 L2_EPS = 1e-6
 # 2^120 * 128 channels stays finite in fp32; exact inside a sub-chunk while 15 * |g| * log2 e <= 120.
 MAX_EXP2 = 120.0
 MIN_GATE = -MAX_EXP2 / (SUB_CHUNK - 1) / LOG2E
-X3 = lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +58,12 @@ class ScanConfig:
     intra_warps: int = 4
     chain_warps: int = 4
     chain_stages: int = 2
-    intra_width: int = 32  # key channels per slice inside the intra kernel
-    chain_x3: bool = False  # three bf16 passes (else tf32) for (q 2^G) S, A_qk v_new and k^T v_new
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False, precision=None):
+def _dot(a, b, *, trans_a=False, trans_b=False):
+    """fp32 operands run in tf32 on the tensor cores (the Triton lowering's default precision)."""
     dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
 def _split_dot(a_bf16, s):
@@ -74,111 +73,128 @@ def _split_dot(a_bf16, s):
     return _dot(a_bf16, hi) + _dot(a_bf16, lo)
 
 
-def _l2_normalise(x):
-    return x / jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
+def _unit_lower_inverse(blocks):
+    """T = (I + A)^-1 for strictly lower A given as 16x16 blocks {(i, j): A_ij, i >= j}: the diagonal
+    blocks by doubling ((I + N)(I + N^2)(I + N^4)(I + N^8) with N = -A_ii, N^16 = 0), then block rows
+    top-down, T_ij = -T_ii sum_{j <= m < i} A_im T_mj."""
+    t = {}
+    for i in range(N_SUB):
+        power = -blocks[i, i]
+        inv = jnp.eye(SUB_CHUNK, dtype=jnp.float32) + power
+        for _ in range(int(math.log2(SUB_CHUNK)) - 1):
+            power = _dot(power, power)
+            inv = inv + _dot(inv, power)
+        t[i, i] = inv
+    for i in range(1, N_SUB):
+        for j in range(i):
+            acc = sum(_dot(blocks[i, m], t[m, j]) for m in range(j, i))
+            t[i, j] = -_dot(t[i, i], acc)
+    return t
 
 
-def _intra_kernel(
-    lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, aqk_ref, decay_ref, *, width
-):
-    """One chunk of one head. Everything but the L2 norms is separable over key channels, so the
-    channels are taken `width` at a time: few tiles are live at once (the kernel is register bound)."""
+def _intra_kernel(lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qw_ref, ou_ref, kd_ref, decay_ref):
+    """One chunk of one head, in 16-token sub-chunks (blocks I, J below; rows i, j).
+
+    Decays factor through the end of the key's sub-chunk J: key factor 2^(G_Jend - G_j) <= 1, query
+    factor 2^(G_i - G_Jend) <= 1 for i past J and at most 2^(15 |g| log2 e) inside J. Products are
+    [16, d] x [d, 16] blocks, only the ten on or below the diagonal."""
     n, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    c, dk, dv = CHUNK, q_ref.shape[-1], v_ref.shape[-1]
-    rows = pl.ds(n * c, c)
-    # Tokens past the sequence's length neither decay nor write the state: g = 0, beta = 0.
+    dk = q_ref.shape[-1]
     length = lengths_ref[b]
-    valid = n * c + lax.broadcasted_iota(jnp.int32, (c, 1), 0) < length
+    sub_row = lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, SUB_CHUNK), 0)
+    sub_col = lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, SUB_CHUNK), 1)
 
-    def load(ref, chans):
-        return jnp.where(valid, ref[b, rows, h, chans].astype(jnp.float32), 0.0)
+    def rows(i):
+        return pl.ds(n * CHUNK + i * SUB_CHUNK, SUB_CHUNK)
 
-    slices = [pl.ds(i, width) for i in range(0, dk, width)]
-    inv_q = dk**-0.5 / jnp.sqrt(sum(jnp.sum(jnp.square(load(q_ref, s)), axis=1, keepdims=True) for s in slices) + L2_EPS)
-    inv_k = 1.0 / jnp.sqrt(sum(jnp.sum(jnp.square(load(k_ref, s)), axis=1, keepdims=True) for s in slices) + L2_EPS)
-    beta = jnp.where(valid, beta_ref[b, rows, h][:, None].astype(jnp.float32), 0.0)  # [C, 1]
+    def load(ref, i):
+        # Tokens past the sequence's length neither decay nor write the state: g = 0, beta = 0.
+        valid = n * CHUNK + i * SUB_CHUNK + lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, 1), 0) < length
+        x = ref[b, rows(i), h] if ref.ndim == 3 else ref[b, rows(i), h, :]
+        x = x[:, None] if ref.ndim == 3 else x
+        return jnp.where(valid, x.astype(jnp.float32), 0.0)
 
-    row = lax.broadcasted_iota(jnp.int32, (c, width), 0)
-    sub = row // SUB_CHUNK
-    n_sub = c // SUB_CHUNK
+    def sub_chunk(i, start):
+        """Normalised q and k, beta [16, 1] and the running log2 decay G of sub-chunk i (G = start
+        before it), with G at its last token."""
+        q, k = load(q_ref, i), load(k_ref, i)
+        q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS))
+        k = k / jnp.sqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
+        g = load(g_ref, i) * LOG2E
+        return q, k, load(beta_ref, i), start[None, :] + jnp.cumsum(g, axis=0), start + jnp.sum(g, axis=0)
 
-    def channels(chans):
-        """Normalised k and the running log2 decay G of one channel slice, with G at each sub-chunk's end."""
-        k = load(k_ref, chans) * inv_k
-        cum = jnp.cumsum(load(g_ref, chans) * LOG2E, axis=0)
-        ends = [jnp.sum(jnp.where(row == SUB_CHUNK * j + SUB_CHUNK - 1, cum, 0.0), axis=0) for j in range(n_sub)]
-        return k, cum, ends
+    # Scores: A_kk strictly lower (beta_i k_i . k_j decayed), A_qk lower (q_i . k_j decayed).
+    ends, keys, a_kk, a_qk = [], [], {}, {}
+    end = jnp.zeros((dk,), jnp.float32)
+    for i in range(N_SUB):
+        q, k, beta, cum, end = sub_chunk(i, end)
+        ends.append(end)
+        keys.append(k * jnp.exp2(end[None, :] - cum))
+        for j in range(i + 1):
+            to_end = jnp.exp2(jnp.minimum(cum - ends[j][None, :], MAX_EXP2))
+            kk = beta * _dot(k * to_end, keys[j], trans_b=True)
+            qk = _dot(q * to_end, keys[j], trans_b=True)
+            a_kk[i, j] = jnp.where(sub_col < sub_row, kk, 0.0) if i == j else kk
+            a_qk[i, j] = jnp.where(sub_col <= sub_row, qk, 0.0) if i == j else qk
+    t = _unit_lower_inverse(a_kk)
+    last = ends[-1]
+    decay_ref[b, h, n, :] = jnp.exp2(last)
 
-    kk = jnp.zeros((c, c), jnp.float32)
-    qk = jnp.zeros((c, c), jnp.float32)
-    for chans in slices:
-        k, cum, ends = channels(chans)
-        q = load(q_ref, chans) * inv_q
-        own_end = ends[0][None, :]
-        for j in range(1, n_sub):
-            own_end = jnp.where(sub == j, ends[j][None, :], own_end)
-        k_to_end = k * jnp.exp2(own_end - cum)  # decay from each key to its sub-chunk's end: <= 1
-        for j in range(n_sub):
-            from_end = jnp.exp2(jnp.minimum(cum - ends[j][None, :], MAX_EXP2))
-            keys = jnp.where(sub == j, k_to_end, 0.0)
-            kk += _dot(k * beta * from_end, keys, trans_b=True)
-            qk += _dot(q * from_end, keys, trans_b=True)
-        qg_ref[b, h, rows, chans] = q * jnp.exp2(cum)
-        kd_ref[b, h, rows, chans] = k * jnp.exp2(ends[-1][None, :] - cum)
-        decay_ref[b, h, n, chans] = jnp.exp2(ends[-1])
+    # w = T (beta k 2^G); q_w = q 2^G - A_qk w (so that the chain's o = q_w S + A_qk u); k 2^(G_last - G).
+    w, end = [None] * N_SUB, jnp.zeros((dk,), jnp.float32)
+    for j in range(N_SUB):
+        q, k, beta, cum, end = sub_chunk(j, end)
+        x = k * beta * jnp.exp2(cum)
+        for i in range(j, N_SUB):
+            part = _dot(t[i, j], x)
+            w[i] = part if w[i] is None else w[i] + part
+        w_ref[b, h, rows(j), :] = w[j].astype(w_ref.dtype)
+        qw_ref[b, h, rows(j), :] = q * jnp.exp2(cum) - sum(_dot(a_qk[j, m], w[m]) for m in range(j + 1))
+        kd_ref[b, h, rows(j), :] = k * jnp.exp2(last[None, :] - cum)
 
-    i_idx = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    j_idx = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    aqk_ref[b, h, rows, :] = jnp.where(j_idx <= i_idx, qk, 0.0)
-    # T = (I + A_kk)^-1 = prod_m (I + N^(2^m)) with N = -A_kk strictly lower, so N^64 = 0.
-    power = -jnp.where(j_idx < i_idx, kk, 0.0)
-    t = jnp.where(j_idx == i_idx, 1.0, 0.0) + power
-    for _ in range(int(math.log2(c)) - 1):
-        power = _dot(power, power)
-        t = t + _dot(t, power)
-
-    for chans in slices:
-        k, cum, _ = channels(chans)
-        w_ref[b, h, rows, chans] = _dot(t, k * beta * jnp.exp2(cum)).astype(w_ref.dtype)
-    for i in range(0, dv, width):
-        u_ref[b, h, rows, pl.ds(i, width)] = _dot(t, load(v_ref, pl.ds(i, width)) * beta)
+    # u = T (beta v); A_qk u.
+    u = [None] * N_SUB
+    for j in range(N_SUB):
+        y = load(v_ref, j) * load(beta_ref, j)
+        for i in range(j, N_SUB):
+            part = _dot(t[i, j], y)
+            u[i] = part if u[i] is None else u[i] + part
+        u_ref[b, h, rows(j), :] = u[j]
+        ou_ref[b, h, rows(j), :] = sum(_dot(a_qk[j, m], u[m]) for m in range(j + 1))
 
 
-def _chain_kernel(
-    w_ref, u_ref, qg_ref, kd_ref, aqk_ref, decay_ref, s0_ref, o_ref, s_ref, *, n_chunks, block_v, x3
-):
+def _chain_kernel(w_ref, u_ref, qw_ref, ou_ref, kd_ref, decay_ref, s0_ref, o_ref, s_ref, *, n_chunks, block_v):
+    """Serial over chunks for one head and `block_v` value columns, the fp32 state S in registers:
+    v_new = u - w S, o = q_w S + A_qk u, S <- 2^G_last S + (k 2^(G_last - G))^T v_new. Only the
+    first product is on the path from S to the next S; the output product runs beside it."""
     vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    c = CHUNK
     cols = pl.ds(vb * block_v, block_v)
-    precision = X3 if x3 else None
 
     def step(n, s):
-        rows = pl.ds(n * c, c)
+        rows = pl.ds(n * CHUNK, CHUNK)
         v_new = u_ref[b, h, rows, cols] - _split_dot(w_ref[b, h, rows, :], s)
-        o = _dot(qg_ref[b, h, rows, :], s, precision=precision) + _dot(aqk_ref[b, h, rows, :], v_new, precision=precision)
+        o = _dot(qw_ref[b, h, rows, :], s) + ou_ref[b, h, rows, cols]
         o_ref[b, rows, h, cols] = o.astype(o_ref.dtype)
-        decay = decay_ref[b, h, n, :]
-        return s * decay[:, None] + _dot(kd_ref[b, h, rows, :], v_new, trans_a=True, precision=precision)
+        return s * decay_ref[b, h, n, :][:, None] + _dot(kd_ref[b, h, rows, :], v_new, trans_a=True)
 
     s_ref[b, h, :, cols] = lax.fori_loop(0, n_chunks, step, s0_ref[b, h, :, cols])
 
 
 def intra(q, k, v, g, beta, lengths, *, config=ScanConfig(), interpret=False):
-    """The parallel half of the scan: per chunk (w, u, q 2^G, k 2^(G_last - G), A_qk, 2^G_last)."""
+    """The parallel half of the scan, per chunk: w (bf16), u, q_w, A_qk u, k 2^(G_last - G), 2^G_last."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    n_chunks = t // CHUNK
     f32 = jnp.float32
     return pl.pallas_call(
-        functools.partial(_intra_kernel, width=min(config.intra_width, dk, dv)),
-        grid=(n_chunks, h, b),
+        _intra_kernel,
+        grid=(t // CHUNK, h, b),
         out_shape=[
             jax.ShapeDtypeStruct((b, h, t, dk), jnp.bfloat16),  # w
             jax.ShapeDtypeStruct((b, h, t, dv), f32),  # u
-            jax.ShapeDtypeStruct((b, h, t, dk), f32),  # q 2^G
+            jax.ShapeDtypeStruct((b, h, t, dk), f32),  # q_w
+            jax.ShapeDtypeStruct((b, h, t, dv), f32),  # A_qk u
             jax.ShapeDtypeStruct((b, h, t, dk), f32),  # k 2^(G_last - G)
-            jax.ShapeDtypeStruct((b, h, t, CHUNK), f32),  # A_qk
-            jax.ShapeDtypeStruct((b, h, n_chunks, dk), f32),  # 2^G_last
+            jax.ShapeDtypeStruct((b, h, t // CHUNK, dk), f32),  # 2^G_last
         ],
         compiler_params=pltriton.CompilerParams(num_warps=config.intra_warps, num_stages=1),
         interpret=interpret,
@@ -193,7 +209,7 @@ def chunk_scan(q, k, v, g, beta, initial_state, lengths, *, config=ScanConfig(),
     dv = v.shape[-1]
     block_v = min(config.block_v, dv)
     chain = pl.pallas_call(
-        functools.partial(_chain_kernel, n_chunks=t // CHUNK, block_v=block_v, x3=config.chain_x3),
+        functools.partial(_chain_kernel, n_chunks=t // CHUNK, block_v=block_v),
         grid=(dv // block_v, h, b),
         out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=config.chain_warps, num_stages=config.chain_stages),
@@ -211,6 +227,8 @@ def _decode_kernel(
     dk = s_ref.shape[2]
     kernel = weight_ref.shape[0]
     heads_k = pl.ds(h * dk, dk)
+    cols = pl.ds(vb * block_v, block_v)
+    s = s_ref[b, h, :, cols]  # first: the slab's load is in flight while the token's vectors are computed
 
     def conv_silu(part, chans, write):
         """Short conv over the window (conv state[1:], x), SiLU, rounded to the activations' dtype as
@@ -233,7 +251,6 @@ def _decode_kernel(
         conv_silu(0, heads_k, True)
         conv_silu(1, heads_k, True)
 
-    cols = pl.ds(vb * block_v, block_v)
     v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v), True).astype(qkv_ref.dtype).astype(jnp.float32)
     q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q) + L2_EPS))
     k = k / jnp.sqrt(jnp.sum(k * k) + L2_EPS)
@@ -246,15 +263,19 @@ def _decode_kernel(
         g = -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
     beta = jax.nn.sigmoid(beta_ref[b, h].astype(jnp.float32))
 
-    s = s_ref[b, h, :, cols] * jnp.exp(g)[:, None]
-    predicted = jnp.sum(k[:, None] * s, axis=0)
-    s = s + k[:, None] * ((v - predicted) * beta)[None, :]
-    s_out_ref[b, h, :, cols] = s
-    o_ref[b, h, cols] = jnp.sum(q[:, None] * s, axis=0).astype(o_ref.dtype)
+    # With D = diag(exp g): predicted = k^T D S and o = q^T D S + (q . k) delta, two independent
+    # reductions over the old state, then S <- D S + k delta^T.
+    decay = jnp.exp(g)
+    predicted = jnp.sum((k * decay)[:, None] * s, axis=0)
+    o = jnp.sum((q * decay)[:, None] * s, axis=0)
+    delta = (v - predicted) * beta
+    s_out_ref[b, h, :, cols] = s * decay[:, None] + k[:, None] * delta[None, :]
+    o_ref[b, h, cols] = (o + jnp.sum(q * k) * delta).astype(o_ref.dtype)
 
 
 def decode_step(
-    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=32, interpret=False
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=32, num_warps=None,
+    interpret=False,
 ):
     """The fused one-token KDA step; shapes as `kda.kda_decode_step`. The recurrent state is
     updated in place (donate it under jit, or XLA copies it first). Each program streams a
@@ -270,7 +291,7 @@ def decode_step(
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
         input_output_aliases={7: 2},
-        compiler_params=pltriton.CompilerParams(num_warps=4 if block_v * dk <= 4096 else 8, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (4 if block_v * dk <= 4096 else 8), num_stages=1),
         interpret=interpret,
         name="kda_decode_step",
     )
