@@ -37,7 +37,7 @@ CONFIGS = {  # "default" is kda_triton.ScanConfig(); the others change one knob 
     "s3": kda_triton.ScanConfig(chain_stages=3),
 }
 INTRA_VARIANTS = ("default", "i8")  # configs whose intra kernels differ: timed alone too
-DECODE_VARIANTS = [(32, 4), (16, 4), (64, 4), (64, 8), (128, 8)]  # (block_v, num_warps)
+DECODE_VARIANTS = [(32, 4), (64, 4), (64, 2), (128, 4), (32, 2)]  # (block_v, num_warps)
 ROWS = []  # (section, name, shape, error, ms, note)
 INTERPRET = False  # --interpret: a CPU smoke run of this script on tiny shapes
 PEERS = True

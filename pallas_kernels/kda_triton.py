@@ -73,6 +73,18 @@ def _split_dot(a_bf16, s):
     return _dot(a_bf16, hi) + _dot(a_bf16, lo)
 
 
+def _cumsum_rows(x):
+    """Running sum down the 16 rows of x, as an exact fp32 product with a lower-triangular matrix of
+    ones (Triton's scan along rows was the intra kernel's main cost on the H200)."""
+    ones = jnp.where(
+        lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, SUB_CHUNK), 1) <= lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, SUB_CHUNK), 0),
+        1.0,
+        0.0,
+    )
+    return lax.dot_general(ones, x, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
 def _unit_lower_inverse(blocks):
     """T = (I + A)^-1 for strictly lower A given as 16x16 blocks {(i, j): A_ij, i >= j}: the diagonal
     blocks by doubling ((I + N)(I + N^2)(I + N^4)(I + N^8) with N = -A_ii, N^16 = 0), then block rows
@@ -121,7 +133,7 @@ def _intra_kernel(lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_re
         q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS))
         k = k / jnp.sqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
         g = load(g_ref, i) * LOG2E
-        return q, k, load(beta_ref, i), start[None, :] + jnp.cumsum(g, axis=0), start + jnp.sum(g, axis=0)
+        return q, k, load(beta_ref, i), start[None, :] + _cumsum_rows(g), start + jnp.sum(g, axis=0)
 
     # Scores: A_kk strictly lower (beta_i k_i . k_j decayed), A_qk lower (q_i . k_j decayed).
     ends, keys, a_kk, a_qk = [], [], {}, {}

@@ -1,0 +1,94 @@
+"""Where the KDA prefill scan spends its time on the GPU: the intra and chain kernels timed alone,
+as built and with every product's operands rounded to bf16 (a probe of the tf32 products' cost).
+
+    PYTHONPATH=$PWD python3 bench/kda_parts.py [--shape B,T,H] [--configs default,...]
+"""
+
+import argparse
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import kda as bench
+from pallas_kernels import kda_triton
+
+
+def _bf16_dot(a, b, *, trans_a=False, trans_b=False):
+    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+    return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims, preferred_element_type=jnp.float32)
+
+
+def time_parts(shape, cfg, label, interpret=False):
+    b, t, h, d = shape
+    q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
+    lengths = jnp.full((b,), t, jnp.int32)
+    s0 = jnp.zeros((b, h, d, d), jnp.float32)
+
+    def intra_step(c):
+        outs = kda_triton.intra(q, k, v, g, beta + c.astype(beta.dtype) * 0, lengths, config=cfg, interpret=interpret)
+        return c + sum(x[0, 0, 0, 0].astype(jnp.float32) * 0 for x in outs)
+
+    chain = jax.jit(lambda *a: kda_triton.chunk_scan(*a, config=cfg, interpret=interpret))  # full scan, for the total
+
+    def scan_step(c):
+        o, s = chain(q, k, v, g, beta + c.astype(beta.dtype) * 0, s0, lengths)
+        return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
+
+    intra_ms = bench.loop_ms(intra_step, jnp.float32(0))
+    total_ms = bench.loop_ms(scan_step, jnp.float32(0))
+    bench.log(f"{label:28s} B={b} T={t} H={h}: scan {total_ms:.3f} ms = intra {intra_ms:.3f} + chain {total_ms - intra_ms:.3f}")
+
+
+def _scan_cumsum(x):
+    return jnp.cumsum(x, axis=0)
+
+
+def _no_inverse(blocks):
+    return {ij: jnp.eye(kda_triton.SUB_CHUNK, dtype=jnp.float32) + a if ij[0] == ij[1] else a for ij, a in blocks.items()}
+
+
+INTRA_PROBES = {  # intra-kernel variants that leave one stage out or do it another way (timings only)
+    "scan_cumsum": ("_cumsum_rows", _scan_cumsum),
+    "no_cumsum": ("_cumsum_rows", lambda x: x),
+    "no_inverse": ("_unit_lower_inverse", _no_inverse),
+}
+
+
+def time_intra(shape, cfg, label, interpret=False):
+    b, t, h, d = shape
+    q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
+    lengths = jnp.full((b,), t, jnp.int32)
+
+    def intra_step(c):
+        outs = kda_triton.intra(q, k, v, g, beta + c.astype(beta.dtype) * 0, lengths, config=cfg, interpret=interpret)
+        return c + sum(x[0, 0, 0, 0].astype(jnp.float32) * 0 for x in outs)
+
+    bench.log(f"{label:28s} B={b} T={t} H={h}: intra {bench.loop_ms(intra_step, jnp.float32(0)):.3f} ms")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="1,16384,16")
+    parser.add_argument("--configs", default="default")
+    parser.add_argument("--probes", default="", help="intra probes: " + ",".join(INTRA_PROBES))
+    parser.add_argument("--bf16", action="store_true", help="also time with every product in bf16")
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke run in the Pallas interpreter")
+    args = parser.parse_args()
+    shape = tuple(int(x) for x in args.shape.split(",")) + (128,)
+    for name in args.configs.split(","):
+        time_parts(shape, bench.CONFIGS[name], f"{name}, tf32 products", args.interpret)
+    for probe in filter(None, args.probes.split(",")):
+        attr, fn = INTRA_PROBES[probe]
+        kept = getattr(kda_triton, attr)
+        setattr(kda_triton, attr, fn)
+        time_intra(shape, kda_triton.ScanConfig(), f"intra probe {probe}", args.interpret)
+        setattr(kda_triton, attr, kept)
+    if not args.bf16:
+        return
+    kda_triton._dot = _bf16_dot
+    for name in args.configs.split(","):
+        time_parts(shape, bench.CONFIGS[name], f"{name}, bf16 products", args.interpret)
+
+
+if __name__ == "__main__":
+    main()
