@@ -34,10 +34,10 @@ CONFIGS = {  # "default" is kda_triton.ScanConfig(); the others change one knob 
     "v64": kda_triton.ScanConfig(block_v=64),
     "i8": kda_triton.ScanConfig(intra_warps=8),
     "c8": kda_triton.ScanConfig(chain_warps=8),
-    "s3": kda_triton.ScanConfig(chain_stages=3),
+    "s2": kda_triton.ScanConfig(chain_stages=2),
 }
 INTRA_VARIANTS = ("default", "i8")  # configs whose intra kernels differ: timed alone too
-DECODE_VARIANTS = [(32, 4), (64, 4), (64, 2), (128, 4), (32, 2)]  # (block_v, num_warps)
+DECODE_VARIANTS = [(64, 4)]  # (block_v, num_warps)
 ROWS = []  # (section, name, shape, error, ms, note)
 INTERPRET = False  # --interpret: a CPU smoke run of this script on tiny shapes
 PEERS = True

@@ -1,10 +1,11 @@
 """Where the KDA prefill scan spends its time on the GPU: the intra and chain kernels timed alone,
 as built and with every product's operands rounded to bf16 (a probe of the tf32 products' cost).
 
-    PYTHONPATH=$PWD python3 bench/kda_parts.py [--shape B,T,H] [--configs default,...]
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_parts.py [--shape B,T,H] [--configs default,...] [--probes no_inverse] [--bf16]
 """
 
 import argparse
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -39,17 +40,11 @@ def time_parts(shape, cfg, label, interpret=False):
     bench.log(f"{label:28s} B={b} T={t} H={h}: scan {total_ms:.3f} ms = intra {intra_ms:.3f} + chain {total_ms - intra_ms:.3f}")
 
 
-def _scan_cumsum(x):
-    return jnp.cumsum(x, axis=0)
-
-
 def _no_inverse(blocks):
     return {ij: jnp.eye(kda_triton.SUB_CHUNK, dtype=jnp.float32) + a if ij[0] == ij[1] else a for ij, a in blocks.items()}
 
 
 INTRA_PROBES = {  # intra-kernel variants that leave one stage out or do it another way (timings only)
-    "scan_cumsum": ("_cumsum_rows", _scan_cumsum),
-    "no_cumsum": ("_cumsum_rows", lambda x: x),
     "no_inverse": ("_unit_lower_inverse", _no_inverse),
 }
 

@@ -1,33 +1,35 @@
 """KDA kernels for NVIDIA GPUs in Pallas, Triton backend: the chunked prefill scan and the fused decode step.
 
-Why the Triton backend: the scan needs 64x64 triangular algebra, per-channel decays and cross-row
-reductions on register tiles; Triton lays those out itself, and every kernel here was checked for
-lowering on the CPU (in interpret mode) before its first GPU run. `kda.py` dispatches to this module.
+Why the Triton backend: the scan needs triangular algebra, per-channel decays and cross-row
+reductions on register tiles; Triton lays those out itself. The kernels lower to Triton IR on the
+CPU too (interpret mode runs them); only the H200 compiles and times them. `kda.py` dispatches here.
 
 Prefill, per head and 64-token chunk, with G the running sum of the log decays inside the chunk
 (log2 units here) and q, k L2-normalised (q also scaled by dk^-0.5):
-- `_intra_kernel` (parallel over every chunk): A_kk = strict_tril(beta k . k decayed), A_qk =
-  tril(q . k decayed), T = (I + A_kk)^-1, and the chunk's WY factors u = T (beta v),
-  w = T (beta k 2^G); also q 2^G, k 2^(G_last - G) and 2^G_last.
+- `_intra_kernel` (parallel over every chunk), in 16-token blocks: the ten blocks on or below the
+  diagonal of A_kk = strict_tril(beta k . k decayed) and A_qk = tril(q . k decayed), each a
+  [16, d] x [d, 16] product; T = (I + A_kk)^-1 block by block; the WY factors w = T (beta k 2^G),
+  u = T (beta v); and, so that A_qk never enters the serial loop, q_w = q 2^G - A_qk w and A_qk u.
+  Also k 2^(G_last - G) and 2^G_last.
 - `_chain_kernel` (serial over chunks, parallel over batch, head and value columns): with the fp32
-  state S, v_new = u - w S, o = (q 2^G) S + A_qk v_new, S <- 2^G_last S + (k 2^(G_last - G))^T v_new.
+  state S, v_new = u - w S, o = q_w S + A_qk u, S <- 2^G_last S + (k 2^(G_last - G))^T v_new
+  (o = q 2^G S + A_qk v_new rewritten with v_new = u - w S).
 
-Decays inside a chunk are factored through 16-token sub-chunks: for keys in sub-chunk J the
-reference is J's last token, so the key factor 2^(G_J,end - G_j) <= 1 always and the query factor
-2^(G_i - G_J,end) is <= 1 for every later row and at most 2^(15 |g| log2 e) inside J. That is exact
-while every per-token gate g >= -5.5 (the model's lower bound is -5); rows before J are masked, and
-their factor is clamped so that nothing overflows.
+Decays factor through the end of each key's 16-token block J: key factor 2^(G_J,end - G_j) <= 1,
+query factor 2^(G_i - G_J,end) <= 1 for rows past J and at most 2^(15 |g| log2 e) inside J. That is
+exact while every per-token gate g >= MIN_GATE (about -5.5; the model's lower bound is -5).
 
-Precision (bf16 inputs, fp32 state): dots of fp32 operands run in tf32 inside a chunk; along the
-chain S is split into two bf16 halves for w S (w is stored in bf16), and (q 2^G) S, A_qk v_new and
-k^T v_new run in tf32 (or three bf16 passes with `chain_x3`). Measured on the H200 against the fp32
-reference: state error 6e-4 (3e-4 with chain_x3), outputs at the bf16 rounding floor; fla and jla
-are at 6e-3 to 7e-3 on the same inputs. Rounding u, q 2^G, k 2^(G_last - G) or A_qk to bf16 (as
-fla does) would cost 1e-3 to 3e-3 relative error, so they stay fp32 in HBM.
+Precision (bf16 inputs, fp32 state): products of fp32 operands run in tf32; along the chain S is
+split into two bf16 halves for w S (w is stored in bf16). Measured on the H200 against the fp32
+reference: state error 6e-4, outputs 3e-3 against a bf16 rounding floor of 2.6e-3; fla and jla are
+at 6e-3 to 7e-3 on the same inputs. u, q_w, A_qk u and k 2^(G_last - G) stay fp32 in HBM: in bf16
+they would cost 1e-3 to 3e-3 of relative error.
 
-Speed (bench/RESULTS.md): about 3x slower than fla's chunk_kda. The intra kernel dominates: it
-runs 10 dependent 64x64 products for T plus eight 64x64x32 products per channel slice, each a
-round trip between registers and shared memory, with one or two programs per SM.
+Speed (bench/RESULTS.md): about 3x slower than fla's chunk_kda. Nsight Compute on the H200: both
+scan kernels use 255 registers per thread; the intra kernel runs at 12.5% occupancy (two programs
+per SM) and its time did not move when the block inverse or the running sums were left out (2.7 ms
+at (1, 16384, 16) either way); the chain spills (856k local-memory requests) and its pipelined loads
+take 127 KB of shared memory, one program per SM.
 """
 
 import dataclasses
@@ -57,7 +59,7 @@ class ScanConfig:
     block_v: int = 32  # value columns of the state per chain program
     intra_warps: int = 4
     chain_warps: int = 4
-    chain_stages: int = 2
+    chain_stages: int = 3  # loads of the next chunks in flight (H200: 3 beat 2 by 3-4%)
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -71,18 +73,6 @@ def _split_dot(a_bf16, s):
     hi = s.astype(jnp.bfloat16)
     lo = (s - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     return _dot(a_bf16, hi) + _dot(a_bf16, lo)
-
-
-def _cumsum_rows(x):
-    """Running sum down the 16 rows of x, as an exact fp32 product with a lower-triangular matrix of
-    ones (Triton's scan along rows was the intra kernel's main cost on the H200)."""
-    ones = jnp.where(
-        lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, SUB_CHUNK), 1) <= lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, SUB_CHUNK), 0),
-        1.0,
-        0.0,
-    )
-    return lax.dot_general(ones, x, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
 
 
 def _unit_lower_inverse(blocks):
@@ -133,7 +123,7 @@ def _intra_kernel(lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_re
         q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS))
         k = k / jnp.sqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
         g = load(g_ref, i) * LOG2E
-        return q, k, load(beta_ref, i), start[None, :] + _cumsum_rows(g), start + jnp.sum(g, axis=0)
+        return q, k, load(beta_ref, i), start[None, :] + jnp.cumsum(g, axis=0), start + jnp.sum(g, axis=0)
 
     # Scores: A_kk strictly lower (beta_i k_i . k_j decayed), A_qk lower (q_i . k_j decayed).
     ends, keys, a_kk, a_qk = [], [], {}, {}
@@ -286,7 +276,7 @@ def _decode_kernel(
 
 
 def decode_step(
-    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=32, num_warps=None,
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=64, num_warps=None,
     interpret=False,
 ):
     """The fused one-token KDA step; shapes as `kda.kda_decode_step`. The recurrent state is

@@ -1,0 +1,35 @@
+"""The KDA kernels' workload for Nsight Compute: one prefill scan at (1, 16384, 16, 128) and one
+decode step at batch 64, H = 64 (each compiled, then run once), so that ncu sees each kernel.
+
+On the GPU machine (Firecracker runtime, where ncu reads the counters), from the repository root:
+    PYTHONPATH=$PWD ncu --clock-control none --kernel-name regex:kda --launch-count 3 \\
+        --section LaunchStats --section Occupancy --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section WarpStateStats python3 bench/kda_profile.py
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kda as bench  # noqa: E402
+from pallas_kernels import kda_triton  # noqa: E402
+
+
+def main():
+    b, t, h, d = 1, 16384, 16, 128
+    q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
+    lengths = jnp.full((b,), t, jnp.int32)
+    s0 = jnp.zeros((b, h, d, d), jnp.float32)
+    jax.block_until_ready(jax.jit(kda_triton.chunk_scan)(q, k, v, g, beta, s0, lengths))
+    x = bench.decode_inputs(64, 64, 128)
+    fixed = {name: a for name, a in x.items() if name not in ("conv_state", "state")}
+    step = jax.jit(lambda c, s: kda_triton.decode_step(conv_state=c, state=s, **fixed, lower_bound=-5.0))
+    jax.block_until_ready(step(x["conv_state"], x["state"]))
+    print("ran kda_intra, kda_chain and kda_decode_step once each")
+
+
+if __name__ == "__main__":
+    main()
