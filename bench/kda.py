@@ -209,33 +209,15 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
         traceback.print_exc()
 
 
-def decode_inputs(b, h, d, seed=0):
-    c = h * d
-    ks = jax.random.split(jax.random.key(seed), 8)
-    return dict(
-        qkv=jax.random.normal(ks[0], (b, 3, c), jnp.bfloat16),
-        conv_state=jax.random.normal(ks[1], (b, 3, c, 4), jnp.bfloat16),
-        conv_weight=0.5 * jax.random.normal(ks[2], (4, 3, c)),
-        f=jax.random.normal(ks[3], (b, c), jnp.bfloat16),
-        dt_bias=0.1 * jax.random.normal(ks[4], (c,)),
-        a_log=0.3 * jax.random.normal(ks[5], (h,)),
-        beta_logits=jax.random.normal(ks[6], (b, h), jnp.bfloat16),
-        state=0.01 * jax.random.normal(ks[7], (b, h, d, d)),
-    )
-
-
 def bench_decode(hbm, variants=DECODE_VARIANTS):
     h, d = (2, 32) if INTERPRET else (64, 128)
     log(f"\n== decode step, H={h} D={d}")
     for b in DECODE_BATCHES:
-        x = decode_inputs(b, h, d)
+        x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
         ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
         fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
         roof = 2 * b * h * d * d * 4 / hbm * 1e3
-        for block_v, warps in variants:
-            if block_v > d:
-                continue
-
+        for block_v, warps in variants:  # decode_step takes min(block_v, d)
             def call(conv_state, state, block_v=block_v, warps=warps):
                 return kda_triton.decode_step(
                     conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, num_warps=warps,

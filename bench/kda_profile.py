@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kda as bench  # noqa: E402
-from pallas_kernels import kda_triton  # noqa: E402
+from pallas_kernels import kda, kda_triton  # noqa: E402
 
 
 def main():
@@ -24,7 +24,7 @@ def main():
     lengths = jnp.full((b,), t, jnp.int32)
     s0 = jnp.zeros((b, h, d, d), jnp.float32)
     jax.block_until_ready(jax.jit(kda_triton.chunk_scan)(q, k, v, g, beta, s0, lengths))
-    x = bench.decode_inputs(64, 64, 128)
+    x = kda.random_decode_inputs(jax.random.key(0), 64, 64, 128, state_scale=0.01)
     fixed = {name: a for name, a in x.items() if name not in ("conv_state", "state")}
     step = jax.jit(lambda c, s: kda_triton.decode_step(conv_state=c, state=s, **fixed, lower_bound=-5.0))
     jax.block_until_ready(step(x["conv_state"], x["state"]))

@@ -92,25 +92,10 @@ def test_chunk_scan_bf16_arrays():
     assert relative_error(s, s_ref) < TOLERANCE
 
 
-def decode_inputs(seed, b, h, d):
-    c = h * d
-    ks = jax.random.split(jax.random.key(seed), 8)
-    return dict(
-        qkv=jax.random.normal(ks[0], (b, 3, c), jnp.bfloat16),
-        conv_state=jax.random.normal(ks[1], (b, 3, c, 4), jnp.bfloat16),
-        conv_weight=0.5 * jax.random.normal(ks[2], (4, 3, c)),
-        f=jax.random.normal(ks[3], (b, c), jnp.bfloat16),
-        dt_bias=0.1 * jax.random.normal(ks[4], (c,)),
-        a_log=0.3 * jax.random.normal(ks[5], (h,)),
-        beta_logits=jax.random.normal(ks[6], (b, h), jnp.bfloat16),
-        state=jax.random.normal(ks[7], (b, h, d, d)),
-    )
-
-
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("b, h, d", [(3, 2, 16), (2, 2, 64), (1, 1, 128)])
 def test_decode_step_matches_reference(lower_bound, b, h, d):
-    x = decode_inputs(d + b, b, h, d)
+    x = kda.random_decode_inputs(jax.random.key(d + b), b, h, d)
     got = kda.kda_decode_step(**x, lower_bound=lower_bound, implementation="pallas", interpret=True)
     want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
     for name, a, r in zip(["o", "conv_state", "state"], got, want):
@@ -140,7 +125,7 @@ def test_bad_arguments_raise_before_any_launch():
         pallas_scan(q[..., :12], k[..., :12], v, g[..., :12], beta)
     with pytest.raises(ValueError, match="implementation"):
         kda.kda_chunk_scan(q, k, v, g, beta, implementation="triton")
-    x = decode_inputs(8, 2, 2, 16)
+    x = kda.random_decode_inputs(jax.random.key(8), 2, 2, 16)
     with pytest.raises(ValueError, match="state"):
         kda.kda_decode_step(**{**x, "state": x["state"][:, :1]}, lower_bound=-5.0, implementation="pallas")
     with pytest.raises(ValueError, match="conv_state"):
