@@ -5,7 +5,7 @@ with the `triton` package in a second Python, and runs its ptxas -v. A lead, not
 XLA compiles the same IR through its own Triton pipeline on the GPU, and Nsight Compute there read
 255 registers and spills for the chain (bench/RESULTS.md) where this reads fewer.
 
-    python3.12 -m venv .venv-triton && .venv-triton/bin/pip install triton==3.6.0
+    python3.12 -m venv .venv-triton && .venv-triton/bin/pip install triton==3.6.0   # (pyenv: PYENV_VERSION=3.12.1)
     PYTHONPATH=$PWD .venv/bin/python bench/kda_ptxas.py --triton-python .venv-triton/bin/python
 """
 
