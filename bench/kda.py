@@ -139,17 +139,22 @@ def bench_prefill(configs):
     return results
 
 
-def split_timing(q, k, v, g, beta, cfg, shape):
-    """Time the parallel intra kernel alone: the rest of the scan's time is the serial chain."""
-    b, t, h, d = q.shape
+def intra_ms(q, k, v, g, beta, cfg, interpret=False):
+    """Per-call time of the parallel intra kernel alone: the rest of the scan's time is the serial chain."""
+    b, t = q.shape[:2]
     lengths = jnp.full((b,), t, jnp.int32)
 
     def step(c):
-        outs = kda_triton.intra(q, k, v, g, beta + c.astype(beta.dtype) * 0, lengths, config=cfg, interpret=INTERPRET)
+        outs = kda_triton.intra(q, k, v, g, beta + c.astype(beta.dtype) * 0, lengths, config=cfg, interpret=interpret)
         return c + sum(x[0, 0, 0, 0].astype(jnp.float32) * 0 for x in outs)
 
+    return loop_ms(step, jnp.float32(0))
+
+
+def split_timing(q, k, v, g, beta, cfg, shape):
+    b, t, h, d = q.shape
     try:
-        ms = loop_ms(step, jnp.float32(0))
+        ms = intra_ms(q, k, v, g, beta, cfg, INTERPRET)
         # reads q, k, v (bf16), g (fp32), beta; writes w (bf16), u, q_w, A_qk u, k 2^(G_last - G) (fp32)
         byts = b * t * h * (3 * 2 * d + 4 * d + 2 + 2 * d + 4 * 4 * d)
         log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e6:.0f} GB/s of its {byts / 1e9:.2f} GB)")

@@ -24,41 +24,36 @@ def time_parts(shape, cfg, label, interpret=False):
     q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
     lengths = jnp.full((b,), t, jnp.int32)
     s0 = jnp.zeros((b, h, d, d), jnp.float32)
-
-    def intra_step(c):
-        outs = kda_triton.intra(q, k, v, g, beta + c.astype(beta.dtype) * 0, lengths, config=cfg, interpret=interpret)
-        return c + sum(x[0, 0, 0, 0].astype(jnp.float32) * 0 for x in outs)
-
-    chain = jax.jit(lambda *a: kda_triton.chunk_scan(*a, config=cfg, interpret=interpret))  # full scan, for the total
+    scan = jax.jit(lambda *a: kda_triton.chunk_scan(*a, config=cfg, interpret=interpret))
 
     def scan_step(c):
-        o, s = chain(q, k, v, g, beta + c.astype(beta.dtype) * 0, s0, lengths)
+        o, s = scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, s0, lengths)
         return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
 
-    intra_ms = bench.loop_ms(intra_step, jnp.float32(0))
-    total_ms = bench.loop_ms(scan_step, jnp.float32(0))
-    bench.log(f"{label:28s} B={b} T={t} H={h}: scan {total_ms:.3f} ms = intra {intra_ms:.3f} + chain {total_ms - intra_ms:.3f}")
+    intra = bench.intra_ms(q, k, v, g, beta, cfg, interpret)
+    total = bench.loop_ms(scan_step, jnp.float32(0))
+    bench.log(f"{label:28s} B={b} T={t} H={h}: scan {total:.3f} ms = intra {intra:.3f} + chain {total - intra:.3f}")
 
 
 def _no_inverse(blocks):
     return {ij: jnp.eye(kda_triton.SUB_CHUNK, dtype=jnp.float32) + a if ij[0] == ij[1] else a for ij, a in blocks.items()}
 
 
-INTRA_PROBES = {  # intra-kernel variants that leave one stage out or do it another way (timings only)
+INTRA_PROBES = {  # intra-kernel variants that leave one stage out (timings only)
     "no_inverse": ("_unit_lower_inverse", _no_inverse),
 }
 
 
-def time_intra(shape, cfg, label, interpret=False):
+def time_probe(shape, probe, interpret=False):
     b, t, h, d = shape
-    q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
-    lengths = jnp.full((b,), t, jnp.int32)
-
-    def intra_step(c):
-        outs = kda_triton.intra(q, k, v, g, beta + c.astype(beta.dtype) * 0, lengths, config=cfg, interpret=interpret)
-        return c + sum(x[0, 0, 0, 0].astype(jnp.float32) * 0 for x in outs)
-
-    bench.log(f"{label:28s} B={b} T={t} H={h}: intra {bench.loop_ms(intra_step, jnp.float32(0)):.3f} ms")
+    attr, fn = INTRA_PROBES[probe]
+    kept = getattr(kda_triton, attr)
+    setattr(kda_triton, attr, fn)
+    try:
+        ms = bench.intra_ms(*bench.to_jax(*bench.prefill_inputs(b, t, h, d)), kda_triton.ScanConfig(), interpret)
+    finally:
+        setattr(kda_triton, attr, kept)
+    bench.log(f"{'intra probe ' + probe:28s} B={b} T={t} H={h}: intra {ms:.3f} ms")
 
 
 def main():
@@ -73,11 +68,7 @@ def main():
     for name in args.configs.split(","):
         time_parts(shape, bench.CONFIGS[name], f"{name}, tf32 products", args.interpret)
     for probe in filter(None, args.probes.split(",")):
-        attr, fn = INTRA_PROBES[probe]
-        kept = getattr(kda_triton, attr)
-        setattr(kda_triton, attr, fn)
-        time_intra(shape, kda_triton.ScanConfig(), f"intra probe {probe}", args.interpret)
-        setattr(kda_triton, attr, kept)
+        time_probe(shape, probe, args.interpret)
     if not args.bf16:
         return
     kda_triton._dot = _bf16_dot

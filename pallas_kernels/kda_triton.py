@@ -112,8 +112,7 @@ def _intra_kernel(lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_re
     def load(ref, i):
         # Tokens past the sequence's length neither decay nor write the state: g = 0, beta = 0.
         valid = n * CHUNK + i * SUB_CHUNK + lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, 1), 0) < length
-        x = ref[b, rows(i), h] if ref.ndim == 3 else ref[b, rows(i), h, :]
-        x = x[:, None] if ref.ndim == 3 else x
+        x = ref[b, rows(i), h][:, None] if ref.ndim == 3 else ref[b, rows(i), h, :]
         return jnp.where(valid, x.astype(jnp.float32), 0.0)
 
     def sub_chunk(i, start):
@@ -143,6 +142,7 @@ def _intra_kernel(lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_re
     decay_ref[b, h, n, :] = jnp.exp2(last)
 
     # w = T (beta k 2^G); q_w = q 2^G - A_qk w (so that the chain's o = q_w S + A_qk u); k 2^(G_last - G).
+    # The sub-chunks are loaded and normalised again rather than kept: the kernel is short of registers.
     w, end = [None] * N_SUB, jnp.zeros((dk,), jnp.float32)
     for j in range(N_SUB):
         q, k, beta, cum, end = sub_chunk(j, end)
@@ -276,13 +276,14 @@ def _decode_kernel(
 
 
 def decode_step(
-    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=64, num_warps=None,
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=64, num_warps=4,
     interpret=False,
 ):
     """The fused one-token KDA step; shapes as `kda.kda_decode_step`. The recurrent state is
     updated in place (donate it under jit, or XLA copies it first). Each program streams a
-    [dk, block_v] slab of one head's state: small slabs keep many loads in flight."""
-    b, h, dk, dv = state.shape
+    [dk, block_v] slab of one head's state; the defaults, 64 columns with 4 warps, were the fastest
+    of eight launch shapes on the H200 (bench/RESULTS.md; 8 warps took twice as long)."""
+    b, h, _, dv = state.shape
     block_v = min(block_v, dv)
     kernel = pl.pallas_call(
         functools.partial(_decode_kernel, lower_bound=lower_bound, block_v=block_v),
@@ -293,7 +294,7 @@ def decode_step(
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
         input_output_aliases={7: 2},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (4 if block_v * dk <= 4096 else 8), num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode_step",
     )
