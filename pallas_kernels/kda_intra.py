@@ -1,0 +1,289 @@
+"""The parallel half of the chunked KDA scan on Hopper, in Pallas Mosaic GPU: everything a 64-token
+chunk needs before the serial chain (`kda_triton._chain_kernel`) meets it.
+
+One warpgroup per (chunk, head, sequence), its tiles brought in by TMA (rows past the end of the
+sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma):
+- G, the running sum of the log decays inside the chunk, as a lower-triangular matrix of ones times
+  g split into three bf16 parts (exact to fp32 rounding);
+- the scores A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), with q and k
+  L2-normalised (q also scaled by dk^-0.5). The decay exp(G_i - G_j) of a channel factors through a
+  reference token: the middle token of each 32-token half for the two diagonal blocks and the
+  half's boundary for the lower-left block, so every factor is exp(x) with |x| <= 16 |g|: finite
+  while every gate g >= MIN_GATE (-5, the model's lower bound);
+- T = (I + A_kk)^-1 by doubling, (I + N)(I + N^2)(I + N^4)...(I + N^32) with N = -A_kk;
+- the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
+  u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
+  o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last).
+
+Precision: the tensor cores multiply bf16; fp32 operands are carried as two bf16 halves (hi + lo,
+16 significant bits, three products: hi.hi + hi.lo + lo.hi), which makes the kernel as accurate as
+fp32 work to about 1e-5 of each product. The interpreter computes the same bf16 products, so the
+CPU tests check the GPU's numbers.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+CHUNK = 64
+HALF = CHUNK // 2
+SUB_CHUNK = 16
+L2_EPS = 1e-6
+# exp(16 |g|) times 128 channels stays finite in fp32 while |g| <= 5 (exp(80) * 128 = 7e36).
+MIN_GATE = -5.0
+HEAD_DIMS = (32, 64, 128)
+
+_F32, _BF16 = jnp.float32, jnp.bfloat16
+_WG = plgpu.Layout.WGMMA
+_ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
+_COL = _WG.reduce(0)  # one value per column
+
+
+class _Regs(NamedTuple):
+    """A bf16 WGMMA-layout register array as the left operand of a product."""
+
+    value: jax.Array
+
+
+def _operand_smem(shape, dtype=_BF16):
+    """SMEM tiled and swizzled for its minor dimension, as wgmma operands need."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    return plgpu.SMEM(
+        shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    )
+
+
+def _load(ref, layout=_WG):
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WG)
+
+
+def _split(x):
+    """x ~= hi + lo, both bf16."""
+    hi = x.astype(_BF16)
+    return hi, (x - hi.astype(_F32)).astype(_BF16)
+
+
+def _matmul(shape, pairs, interpret):
+    """sum(a @ b for a, b in pairs) in fp32 on the tensor cores; a is `_Regs` or an SMEM ref, b an SMEM ref."""
+    staged = [i for i, (a, _) in enumerate(pairs) if isinstance(a, _Regs)]
+    if interpret and staged:  # the interpreter's wgmma reads both operands from SMEM
+
+        def with_buffers(*buffers):
+            in_smem = list(pairs)
+            for i, buffer in zip(staged, buffers):
+                buffer[...] = pairs[i][0].value
+                in_smem[i] = (buffer, pairs[i][1])
+            plgpu.commit_smem()
+            return _matmul(shape, in_smem, interpret)
+
+        return pl.run_scoped(with_buffers, *(_operand_smem(pairs[i][0].value.shape) for i in staged))
+
+    def accumulate(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a.value if isinstance(a, _Regs) else a, b)
+        return acc[...]
+
+    return pl.run_scoped(accumulate, plgpu.ACC(shape, _F32))
+
+
+def _precise_matmul(shape, x, y_hi, y_lo, interpret):
+    """x @ y for fp32 registers x and y stored as bf16 halves: hi.hi + hi.lo + lo.hi."""
+    x_hi, x_lo = _split(x)
+    return _matmul(shape, [(_Regs(x_hi), y_hi), (_Regs(x_hi), y_lo), (_Regs(x_lo), y_hi)], interpret)
+
+
+def _store_split(x, hi_ref, lo_ref):
+    hi, lo = _split(x)
+    hi_ref[...] = hi
+    lo_ref[...] = lo
+    plgpu.commit_smem()
+
+
+def _unit_lower_inverse(a, halves, interpret):
+    """(I + A)^-1 for strictly lower fp32 [C, C] A by doubling: N = -A is nilpotent (N^C = 0), so
+    (I + A)^-1 = (I + N)(I + N^2)(I + N^4)...(I + N^(C/2))."""
+    shape = a.shape
+    power = -a
+    inverse = jnp.where(_iota(shape, 0) == _iota(shape, 1), 1.0, 0.0) + power
+    for _ in range(int(math.log2(CHUNK)) - 1):
+        _store_split(power, *halves)
+        power = _precise_matmul(shape, power, *halves, interpret)
+        plgpu.commit_smem()  # every wgmma has read the halves
+        _store_split(power, *halves)
+        inverse = inverse + _precise_matmul(shape, inverse, *halves, interpret)
+        plgpu.commit_smem()
+    return inverse
+
+
+def _intra_kernel(
+    lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+    w_ref, u_ref, qw_ref, au_ref, kd_ref, decay_ref,
+    q_s, k_s, v_s, g_s, beta_s, parts_s, t_s, out_s, qw_s, loaded, *, interpret,
+):
+    c = CHUNK
+    n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
+    dk = q_s.shape[1]
+    tokens = pl.ds(n * c, c)
+    for src, dst in ((q_ref, q_s), (k_ref, k_s), (v_ref, v_s), (g_ref, g_s)):
+        plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, loaded)
+    plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tokens], beta_s, loaded)
+    plgpu.barrier_wait(loaded)
+
+    tile, square = (c, dk), (c, c)
+    row = _iota(tile, 0)
+    length = lengths_ref[b] - n * c  # tokens at or past it neither decay nor write the state
+    valid = row < length
+
+    def rows_of(x, shape):
+        return lax.broadcast_in_dim(x, shape, [0])
+
+    def cols_of(x, shape):
+        return lax.broadcast_in_dim(x, shape, [1])
+
+    # G = tril(ones) @ g, g in three bf16 parts.
+    g = jnp.where(valid, _load(g_s), 0.0)
+    g_hi = g.astype(_BF16)
+    g_mid, g_lo = _split(g - g_hi.astype(_F32))
+    for i, part in enumerate((g_hi, g_mid, g_lo)):
+        parts_s.at[i][...] = part
+    plgpu.commit_smem()
+    ones = jnp.where(_iota(square, 1) <= _iota(square, 0), 1.0, 0.0).astype(_BF16)
+    cum = _matmul(tile, [(_Regs(ones), parts_s.at[i]) for i in range(3)], interpret)
+    g_s[...] = cum
+    plgpu.commit_smem()
+
+    def at_token(i):  # G at token i of the chunk, broadcast over rows
+        return cols_of(_load(g_s.at[i], _COL), tile)
+
+    last = _load(g_s.at[c - 1], _COL)
+    decay_ref.at[b, h, n][...] = jnp.exp(last)
+
+    def normalised(ref, scale):
+        x = _load(ref).astype(_F32)
+        return x * rows_of(scale / jnp.sqrt(jnp.sum(x * x, axis=1) + L2_EPS), tile)
+
+    q = normalised(q_s, dk**-0.5)
+    k = normalised(k_s, 1.0)
+    beta = jnp.where(valid, rows_of(_load(beta_s, _ROW), tile), 0.0)
+
+    # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, with the reference
+    # token in the middle of each 16-token diagonal block (factors exp(x), |x| <= 8 |g|, products
+    # of the two halves normal numbers), or at the boundary between a block of queries and the
+    # earlier keys (both factors <= 1).
+    r, cl = _iota(square, 0), _iota(square, 1)
+    row_block, col_block = r // SUB_CHUNK, cl // SUB_CHUNK
+    keys = (parts_s.at[0].T, parts_s.at[1].T)  # key rows as the right operand's columns
+
+    def scores(query_factor, key_factor, blocks):
+        _store_split(k * key_factor, parts_s.at[0], parts_s.at[1])
+        qk = _precise_matmul(square, q * query_factor, *keys, interpret)
+        kk = _precise_matmul(square, k * beta * query_factor, *keys, interpret)
+        plgpu.commit_smem()  # the products have read the keys
+        return jnp.where(blocks & (cl <= r), qk, 0.0), jnp.where(blocks & (cl < r), kk, 0.0)
+
+    def at_block_token(offset):  # G at token offset of each row's 16-token block
+        blocks = range(c // SUB_CHUNK)
+        return functools.reduce(
+            lambda acc, j: jnp.where(row // SUB_CHUNK == j, at_token(j * SUB_CHUNK + offset), acc),
+            blocks[1:], at_token(offset),
+        )
+
+    to_mid = jnp.exp(cum - at_block_token(SUB_CHUNK // 2 - 1))
+    a_qk, a_kk = scores(to_mid, 1.0 / to_mid, row_block == col_block)
+    # Blocks 1 x 0 and 3 x 2 through tokens 15 and 47; then the lower-left half through token 31.
+    odd = (row // SUB_CHUNK) % 2 == 1
+    across = jnp.exp(jnp.where(odd, 1.0, -1.0) * (cum - jnp.where(row < HALF, at_token(15), at_token(47))))
+    terms = [scores(jnp.where(odd, across, 0.0), jnp.where(odd, 0.0, across), (row_block % 2 == 1) & (col_block == row_block - 1))]
+    lower = row >= HALF
+    across = jnp.exp(jnp.where(lower, 1.0, -1.0) * (cum - at_token(HALF - 1)))
+    terms.append(scores(jnp.where(lower, across, 0.0), jnp.where(lower, 0.0, across), (r >= HALF) & (cl < HALF)))
+    for qk, kk in terms:
+        a_qk, a_kk = a_qk + qk, a_kk + kk
+
+    # q exp(G) for q_w; k exp(G_last - G) out.
+    decay = jnp.exp(cum)
+    qw_s[...] = q * decay
+    out_s[...] = k * jnp.exp(cols_of(last, tile) - cum)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, kd_ref.at[b, h, tokens])
+
+    # WY factors with T diag(beta): w = T_b (k exp(G)), u = T_b v.
+    col = _iota(square, 1)
+    beta_cols = jnp.where(col < length, cols_of(_load(beta_s, _COL), square), 0.0)
+    t = _unit_lower_inverse(a_kk, (t_s.at[0], t_s.at[1]), interpret) * beta_cols
+    t_hi, t_lo = _split(t)
+    _store_split(k * decay, parts_s.at[0], parts_s.at[1])
+    w = _matmul(tile, [(_Regs(t_hi), parts_s.at[0]), (_Regs(t_hi), parts_s.at[1]), (_Regs(t_lo), parts_s.at[0])], interpret)
+    u = _matmul(tile, [(_Regs(t_hi), v_s), (_Regs(t_lo), v_s)], interpret)
+    k_s[...] = w.astype(_BF16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
+    _store_split(u, parts_s.at[0], parts_s.at[1])
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_s (k exp(G_last - G)) is read; w may be in flight
+    out_s[...] = u
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, u_ref.at[b, h, tokens])
+
+    # q_w = q exp(G) - A_qk w (the bf16 w the chain multiplies); A_qk u.
+    a_hi, a_lo = _split(a_qk)
+    qw_s[...] = _load(qw_s) - _matmul(tile, [(_Regs(a_hi), k_s), (_Regs(a_lo), k_s)], interpret)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qw_s, qw_ref.at[b, h, tokens])
+    au = _matmul(
+        tile, [(_Regs(a_hi), parts_s.at[0]), (_Regs(a_hi), parts_s.at[1]), (_Regs(a_lo), parts_s.at[0])], interpret
+    )
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_s (u) is read; q_w may still be in flight
+    out_s[...] = au
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, au_ref.at[b, h, tokens])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def intra(q, k, v, g, beta, lengths, *, interpret=False):
+    """w (bf16), u, q_w, A_qk u, k exp(G_last - G) [B, H, T', d] and exp(G_last) [B, H, T' / 64, dk]
+    (fp32 unless said), T' = T rounded up to whole chunks.
+
+    q, k, v [B, T, H, d] bf16 with d in HEAD_DIMS; g [B, T, H, d] fp32 (natural-log decays, each
+    >= MIN_GATE); beta [B, H, T] fp32; lengths [B] int32 (tokens of each sequence, <= T)."""
+    b, t, h, dk = q.shape
+    c = CHUNK
+    n_chunks = -(-t // c)
+    padded = n_chunks * c
+    tile = (c, dk)
+    per_token = lambda dtype: jax.ShapeDtypeStruct((b, h, padded, dk), dtype)
+    kernel = plgpu.kernel(
+        functools.partial(_intra_kernel, interpret=interpret),
+        out_type=(
+            per_token(_BF16), per_token(_F32), per_token(_F32), per_token(_F32), per_token(_F32),
+            jax.ShapeDtypeStruct((b, h, n_chunks, dk), _F32),
+        ),
+        grid=(n_chunks, h, b),
+        grid_names=("n", "h", "b"),
+        scratch_types=(
+            _operand_smem(tile),  # q, later nothing
+            _operand_smem(tile),  # k, later w
+            _operand_smem(tile),  # v
+            plgpu.SMEM(tile, _F32),  # g, then G
+            plgpu.SMEM((c,), _F32),  # beta
+            _operand_smem((3, *tile)),  # bf16 parts and halves of right operands
+            _operand_smem((2, c, c)),  # halves of the inverse's right operands
+            plgpu.SMEM(tile, _F32),  # outputs on their way out
+            plgpu.SMEM(tile, _F32),  # q exp(G), then q_w
+            plgpu.Barrier(num_arrivals=5),
+        ),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="kda_intra",
+    )
+    return kernel(lengths, q, k, v, g, beta)
