@@ -37,7 +37,7 @@ SUB_CHUNK = 16
 L2_EPS = 1e-6
 # exp(16 |g|) times 128 channels stays finite in fp32 while |g| <= 5 (exp(80) * 128 = 7e36).
 MIN_GATE = -5.0
-HEAD_DIMS = (32, 64, 128)
+HEAD_DIMS = (64, 128)
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 _WG = plgpu.Layout.WGMMA
@@ -77,7 +77,7 @@ def _split(x):
 def _matmul(shape, pairs, interpret):
     """sum(a @ b for a, b in pairs) in fp32 on the tensor cores; a is `_Regs` or an SMEM ref, b an SMEM ref."""
     staged = [i for i, (a, _) in enumerate(pairs) if isinstance(a, _Regs)]
-    if interpret and staged:  # the interpreter's wgmma reads both operands from SMEM
+    if staged:  # through SMEM (the interpreter's wgmma reads both operands from there)
 
         def with_buffers(*buffers):
             in_smem = list(pairs)
@@ -129,8 +129,10 @@ def _unit_lower_inverse(a, halves, interpret):
 def _intra_kernel(
     lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
     w_ref, u_ref, qw_ref, au_ref, kd_ref, decay_ref,
-    q_s, k_s, v_s, g_s, beta_s, parts_s, t_s, out_s, qw_s, loaded, *, interpret,
+    q_s, k_s, v_s, g_s, parts, halves, cum_s, beta_s, loaded, *, interpret,
 ):
+    """One chunk of one head. Tiles are read back from SMEM where they are needed rather than kept
+    in registers: a [64, 128] fp32 tile is 64 registers per thread."""
     c = CHUNK
     n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
     dk = q_s.shape[1]
@@ -139,97 +141,97 @@ def _intra_kernel(
         plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, loaded)
     plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tokens], beta_s, loaded)
     plgpu.barrier_wait(loaded)
-
     tile, square = (c, dk), (c, c)
-    row = _iota(tile, 0)
-    length = lengths_ref[b] - n * c  # tokens at or past it neither decay nor write the state
-    valid = row < length
 
-    def rows_of(x, shape):
+    def rows_of(x, shape=tile):
         return lax.broadcast_in_dim(x, shape, [0])
 
-    def cols_of(x, shape):
+    def cols_of(x, shape=tile):
         return lax.broadcast_in_dim(x, shape, [1])
 
-    # G = tril(ones) @ g, g in three bf16 parts.
-    g = jnp.where(valid, _load(g_s), 0.0)
+    # G = tril(ones) @ g, g in three bf16 parts; tokens at or past the sequence's length do not decay.
+    g = jnp.where(_iota(tile, 0) < lengths_ref[b] - n * c, _load(g_s), 0.0)
+    out_s = g_s  # from here on the outputs' staging buffer
     g_hi = g.astype(_BF16)
     g_mid, g_lo = _split(g - g_hi.astype(_F32))
-    for i, part in enumerate((g_hi, g_mid, g_lo)):
-        parts_s.at[i][...] = part
+    for part, ref in zip((g_hi, g_mid, g_lo), parts):
+        ref[...] = part
     plgpu.commit_smem()
     ones = jnp.where(_iota(square, 1) <= _iota(square, 0), 1.0, 0.0).astype(_BF16)
-    cum = _matmul(tile, [(_Regs(ones), parts_s.at[i]) for i in range(3)], interpret)
-    g_s[...] = cum
+    cum_s[...] = _matmul(tile, [(_Regs(ones), ref) for ref in parts], interpret)
     plgpu.commit_smem()
 
-    def at_token(i):  # G at token i of the chunk, broadcast over rows
-        return cols_of(_load(g_s.at[i], _COL), tile)
+    def cum():
+        return _load(cum_s)
 
-    last = _load(g_s.at[c - 1], _COL)
+    def at_token(i):  # G at token i, one value per column
+        return cols_of(_load(cum_s.at[i], _COL))
+
+    last = _load(cum_s.at[c - 1], _COL)
     decay_ref.at[b, h, n][...] = jnp.exp(last)
 
-    def normalised(ref, scale):
+    def inverse_norm(ref, scale):
         x = _load(ref).astype(_F32)
-        return x * rows_of(scale / jnp.sqrt(jnp.sum(x * x, axis=1) + L2_EPS), tile)
+        return scale / jnp.sqrt(jnp.sum(x * x, axis=1) + L2_EPS)
 
-    q = normalised(q_s, dk**-0.5)
-    k = normalised(k_s, 1.0)
-    beta = jnp.where(valid, rows_of(_load(beta_s, _ROW), tile), 0.0)
+    q_scale, k_scale = inverse_norm(q_s, dk**-0.5), inverse_norm(k_s, 1.0)
+    beta = _load(beta_s, _ROW)  # zero past the sequence's length
+
+    def q():  # L2-normalised, scaled by dk^-0.5
+        return _load(q_s).astype(_F32) * rows_of(q_scale)
+
+    def k(scale=1.0):  # L2-normalised, times a per-row scale
+        return _load(k_s).astype(_F32) * rows_of(k_scale * scale)
 
     # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, with the reference
-    # token in the middle of each 16-token diagonal block (factors exp(x), |x| <= 8 |g|, products
-    # of the two halves normal numbers), or at the boundary between a block of queries and the
+    # token in the middle of each 16-token diagonal block (factors exp(x), |x| <= 8 |g|, both halves
+    # of a split factor normal numbers), or at the boundary between a block of queries and the
     # earlier keys (both factors <= 1).
     r, cl = _iota(square, 0), _iota(square, 1)
-    row_block, col_block = r // SUB_CHUNK, cl // SUB_CHUNK
-    keys = (parts_s.at[0].T, parts_s.at[1].T)  # key rows as the right operand's columns
+    keys = (parts[0].T, parts[1].T)  # key rows as the right operand's columns
 
-    def scores(query_factor, key_factor, blocks):
-        _store_split(k * key_factor, parts_s.at[0], parts_s.at[1])
-        qk = _precise_matmul(square, q * query_factor, *keys, interpret)
-        kk = _precise_matmul(square, k * beta * query_factor, *keys, interpret)
+    def scores(exponent, query_rows, blocks):
+        """A_qk and A_kk terms of the `blocks` with query factors exp(exponent) on `query_rows` and
+        key factors exp(-exponent) on the others (every row both when query_rows is None)."""
+        if query_rows is None:
+            key_factor, query_factor = jnp.exp(-exponent), lambda: jnp.exp(exponent)
+        else:
+            e = jnp.exp(jnp.where(query_rows, exponent, -exponent))
+            key_factor, query_factor = jnp.where(query_rows, 0.0, e), lambda: jnp.where(query_rows, e, 0.0)
+        _store_split(k() * key_factor, *parts[:2])
+        qk = _precise_matmul(square, q() * query_factor(), *keys, interpret)
+        kk = _precise_matmul(square, k(beta) * query_factor(), *keys, interpret)
         plgpu.commit_smem()  # the products have read the keys
         return jnp.where(blocks & (cl <= r), qk, 0.0), jnp.where(blocks & (cl < r), kk, 0.0)
 
-    def at_block_token(offset):  # G at token offset of each row's 16-token block
-        blocks = range(c // SUB_CHUNK)
-        return functools.reduce(
-            lambda acc, j: jnp.where(row // SUB_CHUNK == j, at_token(j * SUB_CHUNK + offset), acc),
-            blocks[1:], at_token(offset),
-        )
-
-    to_mid = jnp.exp(cum - at_block_token(SUB_CHUNK // 2 - 1))
-    a_qk, a_kk = scores(to_mid, 1.0 / to_mid, row_block == col_block)
-    # Blocks 1 x 0 and 3 x 2 through tokens 15 and 47; then the lower-left half through token 31.
-    odd = (row // SUB_CHUNK) % 2 == 1
-    across = jnp.exp(jnp.where(odd, 1.0, -1.0) * (cum - jnp.where(row < HALF, at_token(15), at_token(47))))
-    terms = [scores(jnp.where(odd, across, 0.0), jnp.where(odd, 0.0, across), (row_block % 2 == 1) & (col_block == row_block - 1))]
-    lower = row >= HALF
-    across = jnp.exp(jnp.where(lower, 1.0, -1.0) * (cum - at_token(HALF - 1)))
-    terms.append(scores(jnp.where(lower, across, 0.0), jnp.where(lower, 0.0, across), (r >= HALF) & (cl < HALF)))
-    for qk, kk in terms:
+    row = _iota(tile, 0)
+    block = row // SUB_CHUNK
+    middle = functools.reduce(
+        lambda acc, j: jnp.where(block == j, at_token(j * SUB_CHUNK + SUB_CHUNK // 2 - 1), acc),
+        range(1, c // SUB_CHUNK), at_token(SUB_CHUNK // 2 - 1),
+    )
+    a_qk, a_kk = scores(cum() - middle, None, r // SUB_CHUNK == cl // SUB_CHUNK)
+    # Blocks 1 x 0 and 3 x 2 through tokens 15 and 47; the lower-left half through token 31.
+    boundary = jnp.where(row < HALF, at_token(SUB_CHUNK - 1), at_token(HALF + SUB_CHUNK - 1))
+    pairs = (r // SUB_CHUNK % 2 == 1) & (cl // SUB_CHUNK == r // SUB_CHUNK - 1)
+    for qk, kk in (scores(cum() - boundary, block % 2 == 1, pairs), scores(cum() - at_token(HALF - 1), row >= HALF, (r >= HALF) & (cl < HALF))):
         a_qk, a_kk = a_qk + qk, a_kk + kk
 
-    # q exp(G) for q_w; k exp(G_last - G) out.
-    decay = jnp.exp(cum)
-    qw_s[...] = q * decay
-    out_s[...] = k * jnp.exp(cols_of(last, tile) - cum)
+    # k exp(G_last - G) out.
+    out_s[...] = k() * jnp.exp(cols_of(last) - cum())
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_s, kd_ref.at[b, h, tokens])
 
     # WY factors with T diag(beta): w = T_b (k exp(G)), u = T_b v.
-    col = _iota(square, 1)
-    beta_cols = jnp.where(col < length, cols_of(_load(beta_s, _COL), square), 0.0)
-    t = _unit_lower_inverse(a_kk, (t_s.at[0], t_s.at[1]), interpret) * beta_cols
+    t = _unit_lower_inverse(a_kk, halves, interpret) * cols_of(_load(beta_s, _COL), square)
     t_hi, t_lo = _split(t)
-    _store_split(k * decay, parts_s.at[0], parts_s.at[1])
-    w = _matmul(tile, [(_Regs(t_hi), parts_s.at[0]), (_Regs(t_hi), parts_s.at[1]), (_Regs(t_lo), parts_s.at[0])], interpret)
-    u = _matmul(tile, [(_Regs(t_hi), v_s), (_Regs(t_lo), v_s)], interpret)
-    k_s[...] = w.astype(_BF16)
+    _store_split(k() * jnp.exp(cum()), *parts[:2])
+    w = _matmul(tile, [(_Regs(t_hi), parts[0]), (_Regs(t_hi), parts[1]), (_Regs(t_lo), parts[0])], interpret)
+    k_s[...] = w.astype(_BF16)  # k is not needed any more
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
-    _store_split(u, parts_s.at[0], parts_s.at[1])
+    u = _matmul(tile, [(_Regs(t_hi), v_s), (_Regs(t_lo), v_s)], interpret)
+    _store_split(u, *parts[:2])
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_s (k exp(G_last - G)) is read; w may be in flight
     out_s[...] = u
     plgpu.commit_smem()
@@ -237,16 +239,16 @@ def _intra_kernel(
 
     # q_w = q exp(G) - A_qk w (the bf16 w the chain multiplies); A_qk u.
     a_hi, a_lo = _split(a_qk)
-    qw_s[...] = _load(qw_s) - _matmul(tile, [(_Regs(a_hi), k_s), (_Regs(a_lo), k_s)], interpret)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qw_s, qw_ref.at[b, h, tokens])
-    au = _matmul(
-        tile, [(_Regs(a_hi), parts_s.at[0]), (_Regs(a_hi), parts_s.at[1]), (_Regs(a_lo), parts_s.at[0])], interpret
-    )
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_s (u) is read; q_w may still be in flight
+    au = _matmul(tile, [(_Regs(a_hi), parts[0]), (_Regs(a_hi), parts[1]), (_Regs(a_lo), parts[0])], interpret)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_s (u) is read
     out_s[...] = au
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_s, au_ref.at[b, h, tokens])
+    q_w = q() * jnp.exp(cum()) - _matmul(tile, [(_Regs(a_hi), k_s), (_Regs(a_lo), k_s)], interpret)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_s (A_qk u) is read
+    out_s[...] = q_w
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, qw_ref.at[b, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -258,10 +260,14 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
     >= MIN_GATE); beta [B, H, T] fp32; lengths [B] int32 (tokens of each sequence, <= T)."""
     b, t, h, dk = q.shape
     c = CHUNK
+    beta = jnp.where(jnp.arange(t) < lengths[:, None, None], beta, 0.0)  # past a sequence's end: no writes
+    if t % 8:  # TMA needs whole 8-row tiles and 16-byte strides in HBM; the rows past T read as zeros anyway
+        q, k, v, g = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v, g))
+        beta = jnp.pad(beta, [(0, 0), (0, 0), (0, -t % 8)])
     n_chunks = -(-t // c)
     padded = n_chunks * c
     tile = (c, dk)
-    per_token = lambda dtype: jax.ShapeDtypeStruct((b, h, padded, dk), dtype)
+    per_token = lambda dtype: jax.ShapeDtypeStruct((b, h, padded, dk), dtype)  # noqa: E731
     kernel = plgpu.kernel(
         functools.partial(_intra_kernel, interpret=interpret),
         out_type=(
@@ -271,15 +277,16 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
         grid=(n_chunks, h, b),
         grid_names=("n", "h", "b"),
         scratch_types=(
-            _operand_smem(tile),  # q, later nothing
-            _operand_smem(tile),  # k, later w
+            _operand_smem(tile),  # q
+            _operand_smem(tile),  # k, then w
             _operand_smem(tile),  # v
-            plgpu.SMEM(tile, _F32),  # g, then G
+            _operand_smem(tile, _F32),  # g, then the outputs on their way out
+            tuple(_operand_smem(tile) for _ in range(3)),  # parts of g, then halves of right operands
+            (_operand_smem(square := (c, c)), _operand_smem(square)),  # halves of the inverse's operands
+            # Unswizzled buffers last: on the H200 one placed before the swizzled operands gave wrong
+            # products in rows 8-15 of every 16 (bench/mosaic_probe.py).
+            plgpu.SMEM(tile, _F32),  # G: unswizzled, its rows are read as vectors
             plgpu.SMEM((c,), _F32),  # beta
-            _operand_smem((3, *tile)),  # bf16 parts and halves of right operands
-            _operand_smem((2, c, c)),  # halves of the inverse's right operands
-            plgpu.SMEM(tile, _F32),  # outputs on their way out
-            plgpu.SMEM(tile, _F32),  # q exp(G), then q_w
             plgpu.Barrier(num_arrivals=5),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),

@@ -51,8 +51,8 @@ def assert_scan_matches(args, initial_state=None, lengths=None):
 @pytest.mark.parametrize("h", [1, 4])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunk_scan_matches_reference(t, h, with_state):
-    args = scan_inputs(t * 10 + h, 2, t, h, 32)
-    s0 = jax.random.normal(jax.random.key(t), (2, h, 32, 32)) if with_state else None
+    args = scan_inputs(t * 10 + h, 2, t, h, 64)
+    s0 = jax.random.normal(jax.random.key(t), (2, h, 64, 64)) if with_state else None
     assert_scan_matches(args, s0)
 
 
@@ -71,8 +71,8 @@ def test_chunk_scan_head_dim_64_two_chunks_exactly():
 
 
 def test_chunk_scan_ragged_lengths_in_one_batch():
-    args = scan_inputs(3, 3, 200, 2, 32)
-    s0 = jax.random.normal(jax.random.key(3), (3, 2, 32, 32))
+    args = scan_inputs(3, 3, 200, 2, 64)
+    s0 = jax.random.normal(jax.random.key(3), (3, 2, 64, 64))
     assert_scan_matches(args, s0, lengths=jnp.array([200, 1, 77], jnp.int32))
 
 
@@ -87,7 +87,7 @@ def test_lengths_in_the_reference_stop_each_sequence_at_its_own_end():
 
 
 def test_chunk_scan_bf16_arrays():
-    q, k, v, g, beta = scan_inputs(5, 1, 96, 2, 32)
+    q, k, v, g, beta = scan_inputs(5, 1, 96, 2, 64)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v, beta)]
     o, s = pallas_scan(*bf[:3], g, bf[3])
     o_ref, s_ref = kda.kda_chunk_scan_reference(q, k, v, g, beta)

@@ -1,0 +1,48 @@
+"""The Mosaic GPU intra kernel compiled for the GPU against the same kernel in Pallas' interpreter
+(which runs the same bf16 products in numpy), output by output: where a GPU-only difference is.
+The interpreter runs on the CPU: on the GPU backend XLA's excess precision drops the bf16 rounding
+that splits an fp32 operand into halves (the lo halves come out zero).
+
+    PYTHONPATH=$PWD python3 bench/kda_intra_check.py
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import kda_intra
+
+CASES = [(1, 64, 1, 128), (2, 128, 1, 64), (1, 1, 1, 128)]
+NAMES = ("w", "u", "q_w", "A_qk u", "k exp(G_last - G)", "exp(G_last)")
+
+
+def inputs(b, t, h, d, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q, k, v = (jax.random.normal(key, (b, t, h, d)).astype(jnp.bfloat16) for key in ks[:3])
+    g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, t, h, d)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, h, t)))
+    lengths = jnp.array([t, max(t // 3, 1), max(t - 17, 1)][:b], jnp.int32)
+    return q, k, v, g, beta, lengths
+
+
+def main():
+    for case in CASES:
+        args = inputs(*case)
+        valid = np.arange(-(-case[1] // 64) * 64)[None, :] < np.asarray(args[-1])[:, None]  # [B, T']
+        got = jax.jit(kda_intra.intra)(*args)
+        cpu_args = jax.device_put(args, jax.devices("cpu")[0])
+        want = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))(*cpu_args)
+        line = []
+        for name, x, y in zip(NAMES, got, want):
+            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            if name != "exp(G_last)":  # [B, H, T', d]: the valid tokens only
+                x, y = np.swapaxes(x, 1, 2)[valid], np.swapaxes(y, 1, 2)[valid]
+            bad = int((~np.isfinite(x)).sum())
+            finite = np.isfinite(x)
+            err = float(np.abs(x - y)[finite].max() / max(np.abs(y).max(), 1e-30)) if finite.any() else float("nan")
+            line.append(f"{name} {err:.1e}" + (f" ({bad} non-finite)" if bad else ""))
+        print(case, " | ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
