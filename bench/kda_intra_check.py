@@ -12,7 +12,7 @@ import numpy as np
 
 from pallas_kernels import kda_intra
 
-CASES = [(1, 64, 1, 128), (2, 128, 1, 64), (1, 1, 1, 128)]
+CASES = [(1, 1, 1, 128), (1, 64, 1, 128), (2, 128, 1, 64), (1, 130, 2, 64), (3, 200, 4, 128)]
 NAMES = ("w", "u", "q_w", "A_qk u", "k exp(G_last - G)", "exp(G_last)")
 
 
