@@ -1,6 +1,6 @@
 """KDA on the GPU: our Pallas kernels against the pure-jnp reference and the peers, in one run.
 
-Prefill: `kda_chunk_scan` (Pallas: the Mosaic GPU intra kernel, then the Triton chain) vs fla-core 0.6.0 `chunk_kda` (Triton, torch) and
+Prefill: `kda_chunk_scan` (Pallas Mosaic GPU: the intra kernel, then the chain) vs fla-core 0.6.0 `chunk_kda` (Triton, torch) and
 jla 0.1.0 `kda` (Pallas Mosaic GPU) at (B, T, H) = (1, 16384, 16), (1, 8192, 64), (8, 4096, 16), D = 128.
 Decode: `kda_decode_step` (conv + gate + state update fused) at batch 1, 64, 256 with H = 64 vs the
 state-bytes roofline and fla's `fused_recurrent_kda_fwd` (core update only, as probe_kda_decode.py).
@@ -24,16 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import kda, kda_intra, kda_triton
+from pallas_kernels import kda, kda_chain, kda_intra, kda_triton
 
 PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
 DECODE_BATCHES = [1, 64, 256]
-CONFIGS = {  # "default" is kda_triton.ScanConfig(); the others change one knob of the chain
-    "default": kda_triton.ScanConfig(),
-    "v16": kda_triton.ScanConfig(block_v=16),
-    "v64": kda_triton.ScanConfig(block_v=64),
-    "c8": kda_triton.ScanConfig(chain_warps=8),
-    "s2": kda_triton.ScanConfig(chain_stages=2),
+CONFIGS = {  # value columns per program of the serial chain; "default" is kda_chain.BLOCK_V
+    "default": kda_chain.BLOCK_V,
+    "v16": 16,
 }
 DECODE_VARIANTS = [(64, 4)]  # (block_v, num_warps)
 ROWS = []  # (section, name, shape, error, ms, note)
@@ -112,14 +109,14 @@ def bench_prefill(configs):
         ROWS.append(("prefill", "reference rounded to bf16 (floor for bf16 o)", shape, floor, float("nan"), ""))
         for name, cfg in configs.items():
             try:
-                fn = jax.jit(lambda q, k, v, g, beta, cfg=cfg: kda.kda_chunk_scan(q, k, v, g, beta, implementation="pallas", config=cfg, interpret=INTERPRET))
+                fn = jax.jit(lambda q, k, v, g, beta, cfg=cfg: kda.kda_chunk_scan(q, k, v, g, beta, implementation="pallas", block_v=cfg, interpret=INTERPRET))
                 t0 = time.perf_counter()
                 o, s = fn(q, k, v, g, beta)
                 err = max(relative_error(o, o_ref), relative_error(s, s_ref))
                 compile_s = time.perf_counter() - t0
 
                 def step(c, cfg=cfg):
-                    o, s = kda.kda_chunk_scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, implementation="pallas", config=cfg, interpret=INTERPRET)
+                    o, s = kda.kda_chunk_scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, implementation="pallas", block_v=cfg, interpret=INTERPRET)
                     return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
 
                 ms = loop_ms(step, jnp.float32(0))
@@ -152,7 +149,7 @@ def split_timing(q, k, v, g, beta, shape):
     b, t, h, d = q.shape
     try:
         ms = intra_ms(q, k, v, g, beta, INTERPRET)
-        # reads q, k, v (bf16), g (fp32), beta; writes w (bf16), u, q_w, A_qk u, k exp(G_last - G) (fp32)
+        # reads q, k, v (bf16), g (fp32), beta; writes w (bf16), u, A_qk u (fp32), q_w and k exp(G_last - G) (bf16 halves)
         byts = b * t * h * (3 * 2 * d + 4 * d + 4 + 2 * d + 4 * 4 * d)
         log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e6:.0f} GB/s of its {byts / 1e9:.2f} GB)")
         ROWS.append(("prefill", "  ours: intra kernel alone", shape, float("nan"), ms, f"{byts / ms / 1e6:.0f} GB/s"))

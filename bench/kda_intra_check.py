@@ -1,5 +1,6 @@
-"""The Mosaic GPU intra kernel compiled for the GPU against the same kernel in Pallas' interpreter
-(which runs the same bf16 products in numpy), output by output: where a GPU-only difference is.
+"""The Mosaic GPU scan on the GPU: the intra kernel compiled against the same kernel in Pallas'
+interpreter (which runs the same bf16 products in numpy), output by output, so that a GPU-only
+difference shows where it is; then the whole scan (intra and chain) against the fp32 reference.
 The interpreter runs on the CPU: on the GPU backend XLA's excess precision drops the bf16 rounding
 that splits an fp32 operand into halves (the lo halves come out zero).
 
@@ -10,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kda_intra
+from pallas_kernels import kda, kda_intra
 
 CASES = [(1, 1, 1, 128), (1, 64, 1, 128), (2, 128, 1, 64), (1, 130, 2, 64), (3, 200, 4, 128)]
-NAMES = ("w", "u", "q_w", "A_qk u", "k exp(G_last - G)", "exp(G_last)")
+NAMES = ("w", "u", "q_w hi", "q_w lo", "A_qk u", "kd hi", "kd lo", "exp(G_last)")
 
 
 def inputs(b, t, h, d, seed=0):
@@ -42,6 +43,15 @@ def main():
             err = float(np.abs(x - y)[finite].max() / max(np.abs(y).max(), 1e-30)) if finite.any() else float("nan")
             line.append(f"{name} {err:.1e}" + (f" ({bad} non-finite)" if bad else ""))
         print(case, " | ".join(line), flush=True)
+        q, k, v, g, beta, lengths = args
+        s0 = jax.random.normal(jax.random.key(1), (case[0], case[2], case[3], case[3]))
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)] + [g, jnp.swapaxes(beta, 1, 2)]
+        o, s = jax.jit(lambda *a: kda.kda_chunk_scan(*a[:6], lengths=a[6], implementation="pallas"))(*f32, s0, lengths)
+        o_r, s_r = kda.kda_chunk_scan_reference(*f32, s0, lengths=lengths)
+        ok = np.arange(case[1])[None, :] < np.asarray(lengths)[:, None]
+        o, o_r = np.asarray(o, np.float64)[ok], np.asarray(o_r, np.float64)[ok]
+        print(f"{case} scan against the reference: o {np.abs(o - o_r).max() / np.abs(o_r).max():.1e}"
+              f"  state {float(jnp.abs(s - s_r).max() / jnp.abs(s_r).max()):.1e}", flush=True)
 
 
 if __name__ == "__main__":

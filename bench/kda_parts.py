@@ -1,5 +1,5 @@
 """Where the KDA prefill scan spends its time on the GPU: the Mosaic GPU intra kernel alone and the
-whole scan (the difference is the Triton chain), for each chain config asked for.
+whole scan (the difference is the chain), for each chain config asked for.
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_parts.py [--shape B,T,H] [--configs default,...]
 """
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import kda as bench
-from pallas_kernels import kda_triton
+from pallas_kernels import kda_chain
 
 
 def time_parts(shape, cfg, label, interpret=False):
@@ -18,7 +18,7 @@ def time_parts(shape, cfg, label, interpret=False):
     q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
     lengths = jnp.full((b,), t, jnp.int32)
     s0 = jnp.zeros((b, h, d, d), jnp.float32)
-    scan = jax.jit(lambda *a: kda_triton.chunk_scan(*a, config=cfg, interpret=interpret))
+    scan = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16, block_v=cfg, interpret=interpret))
 
     def scan_step(c):
         o, s = scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, s0, lengths)

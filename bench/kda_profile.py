@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kda as bench  # noqa: E402
-from pallas_kernels import kda, kda_triton  # noqa: E402
+from pallas_kernels import kda, kda_chain, kda_triton  # noqa: E402
 
 
 def main():
@@ -23,7 +23,8 @@ def main():
     q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
     lengths = jnp.full((b,), t, jnp.int32)
     s0 = jnp.zeros((b, h, d, d), jnp.float32)
-    jax.block_until_ready(jax.jit(kda_triton.chunk_scan)(q, k, v, g, beta, s0, lengths))
+    scan = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16))
+    jax.block_until_ready(scan(q, k, v, g, beta, s0, lengths))
     x = kda.random_decode_inputs(jax.random.key(0), 64, 64, 128, state_scale=0.01)
     fixed = {name: a for name, a in x.items() if name not in ("conv_state", "state")}
     step = jax.jit(lambda c, s: kda_triton.decode_step(conv_state=c, state=s, **fixed, lower_bound=-5.0))

@@ -1,9 +1,10 @@
-"""Registers, spills and shared memory of the KDA kernels for sm_90a, read on a machine with no GPU.
+"""Registers, spills and shared memory of the Triton-backend KDA kernel (the decode step) for sm_90a,
+read on a machine with no GPU. (The prefill scan is Mosaic GPU now; its registers come from
+MOSAIC_GPU_DUMP_PTXAS=1 on the GPU.)
 
-Lowers each Pallas kernel to Triton IR with this project's JAX (as for an H200), compiles that IR
+Lowers the Pallas kernel to Triton IR with this project's JAX (as for an H200), compiles that IR
 with the `triton` package in a second Python, and runs its ptxas -v. A lead, not a measurement:
-XLA compiles the same IR through its own Triton pipeline on the GPU, and Nsight Compute there read
-255 registers and spills for the chain (bench/RESULTS.md) where this reads fewer.
+XLA compiles the same IR through its own Triton pipeline on the GPU.
 
     python3.12 -m venv .venv-triton && .venv-triton/bin/pip install triton==3.6.0   # (pyenv: PYENV_VERSION=3.12.1)
     PYTHONPATH=$PWD .venv/bin/python bench/kda_ptxas.py --triton-python .venv-triton/bin/python
@@ -33,8 +34,8 @@ def compile_ir(path, warps, stages):
     print(f"shared {kernel.metadata.shared} B; {'; '.join(lines)}; {counts}")
 
 
-def lowered_kernels(block_v, decode_block_v):
-    """{name: Triton IR text} of the scan's two kernels and the decode step, for an H200."""
+def lowered_kernels(decode_block_v):
+    """{name: Triton IR text} of the decode step, for an H200."""
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
@@ -51,13 +52,7 @@ def lowered_kernels(block_v, decode_block_v):
         return result
 
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
-    b, t, h, d = 1, 256, 2, 128
-    x = jnp.zeros((b, t, h, d), jnp.bfloat16)
-    g = jnp.zeros((b, t, h, d), jnp.float32)
-    beta = jnp.zeros((b, t, h), jnp.bfloat16)
-    config = kda_triton.ScanConfig(block_v=block_v)
-    scan = jax.jit(lambda *a: kda_triton.chunk_scan(*a, config=config))
-    scan.trace(x, x, x, g, beta, jnp.zeros((b, h, d, d)), jnp.full((b,), t, jnp.int32)).lower(lowering_platforms=("cuda",))
+    b, h, d = 1, 2, 128
     c = h * d
     step = jax.jit(lambda *a: kda_triton.decode_step(*a, lower_bound=-5.0, block_v=decode_block_v))
     step.trace(
@@ -65,23 +60,22 @@ def lowered_kernels(block_v, decode_block_v):
         jnp.zeros((b, c), jnp.bfloat16), jnp.zeros((c,)), jnp.zeros((h,)), jnp.zeros((b, h), jnp.bfloat16),
         jnp.zeros((b, h, d, d)),
     ).lower(lowering_platforms=("cuda",))
-    return dict(zip(("kda_intra", "kda_chain", "kda_decode_step"), modules))
+    return dict(zip(("kda_decode_step",), modules))
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--triton-python", help="a Python with triton 3.6 (see the docstring)")
-    parser.add_argument("--block-v", type=int, default=32, help="value columns per chain program")
     parser.add_argument("--decode-block-v", type=int, default=64)
-    parser.add_argument("--launches", default="kda_intra:4:1,kda_intra:8:1,kda_chain:4:2,kda_chain:4:3,kda_decode_step:4:1",
+    parser.add_argument("--launches", default="kda_decode_step:4:1,kda_decode_step:8:1",
                         help="kernel:num_warps:num_stages, comma separated")
     parser.add_argument("--compile", nargs=3, metavar=("IR", "WARPS", "STAGES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile:
         compile_ir(args.compile[0], int(args.compile[1]), int(args.compile[2]))
         return
-    modules = lowered_kernels(args.block_v, args.decode_block_v)
-    print(f"chain value columns {args.block_v}, decode value columns {args.decode_block_v}")
+    modules = lowered_kernels(args.decode_block_v)
+    print(f"decode value columns {args.decode_block_v}")
     print("| kernel | warps | stages | readings |\n| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for launch in args.launches.split(","):

@@ -10,7 +10,7 @@ as transformers' `use_qk_l2norm_in_kernel=True` does.
 `kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form;
 `kda_decode_step` one token per sequence with everything around the core fused in (the short conv
 and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions are pure jnp and are
-the oracles of the Pallas kernels in `kda_intra` and `kda_triton`.
+the oracles of the Pallas kernels in `kda_intra`, `kda_chain` and `kda_triton`.
 
 A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
 sequence): a padded position neither decays nor writes the state (g = 0, beta = 0 there), so the
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
-from pallas_kernels import kda_intra, kda_triton
+from pallas_kernels import kda_chain, kda_intra, kda_triton
 
 HIGHEST = jax.lax.Precision.HIGHEST
 L2_EPS = 1e-6
@@ -249,12 +249,12 @@ def _scan_unsupported(q, v, chunk_size):
 
 def kda_chunk_scan(
     q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, implementation=None, interpret=False,
-    config=kda_triton.ScanConfig(),
+    block_v=kda_chain.BLOCK_V,
 ):
     """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
 
     `implementation` None / "reference" / "pallas" (see the module docstring), `interpret` runs the
-    Pallas kernels in the interpreter, `config` the chain kernel's launch shape. The Pallas scan
+    Pallas kernels in the interpreter, `block_v` the value columns per program of the serial chain. The Pallas scan
     multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
     """
     _check_inputs(q, k, v, g, beta, initial_state, lengths)
@@ -265,9 +265,9 @@ def kda_chunk_scan(
     if initial_state is None:
         initial_state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
     bf16 = jnp.bfloat16
-    o, state = kda_triton.chunk_scan(
+    o, state = kda_chain.chunk_scan(
         q.astype(bf16), k.astype(bf16), v.astype(bf16), g.astype(jnp.float32), beta,
-        initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, config=config, interpret=interpret,
+        initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, block_v=block_v, interpret=interpret,
     )
     return o[:, :t], state
 

@@ -128,7 +128,7 @@ def _unit_lower_inverse(a, halves, interpret):
 
 def _intra_kernel(
     lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-    w_ref, u_ref, qw_ref, au_ref, kd_ref, decay_ref,
+    w_ref, u_ref, qw_hi_ref, qw_lo_ref, au_ref, kd_hi_ref, kd_lo_ref, decay_ref,
     q_s, k_s, v_s, g_s, parts, halves, cum_s, beta_s, loaded, *, interpret,
 ):
     """One chunk of one head. Tiles are read back from SMEM where they are needed rather than kept
@@ -217,22 +217,23 @@ def _intra_kernel(
     for qk, kk in (scores(cum() - boundary, block % 2 == 1, pairs), scores(cum() - at_token(HALF - 1), row >= HALF, (r >= HALF) & (cl < HALF))):
         a_qk, a_kk = a_qk + qk, a_kk + kk
 
-    # k exp(G_last - G) out.
-    out_s[...] = k() * jnp.exp(cols_of(last) - cum())
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, kd_ref.at[b, h, tokens])
+    # k exp(G_last - G) out, as bf16 halves (the chain's left operand).
+    _store_split(k() * jnp.exp(cols_of(last) - cum()), *parts[:2])
+    plgpu.copy_smem_to_gmem(parts[0], kd_hi_ref.at[b, h, tokens])
+    plgpu.copy_smem_to_gmem(parts[1], kd_lo_ref.at[b, h, tokens])
 
     # WY factors with T diag(beta): w = T_b (k exp(G)), u = T_b v.
     t = _unit_lower_inverse(a_kk, halves, interpret) * cols_of(_load(beta_s, _COL), square)
     t_hi, t_lo = _split(t)
-    _store_split(k() * jnp.exp(cum()), *parts[:2])
+    x = k() * jnp.exp(cum())
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the halves of k exp(G_last - G) are read
+    _store_split(x, *parts[:2])
     w = _matmul(tile, [(_Regs(t_hi), parts[0]), (_Regs(t_hi), parts[1]), (_Regs(t_lo), parts[0])], interpret)
     k_s[...] = w.astype(_BF16)  # k is not needed any more
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
     u = _matmul(tile, [(_Regs(t_hi), v_s), (_Regs(t_lo), v_s)], interpret)
     _store_split(u, *parts[:2])
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_s (k exp(G_last - G)) is read; w may be in flight
     out_s[...] = u
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_s, u_ref.at[b, h, tokens])
@@ -245,16 +246,16 @@ def _intra_kernel(
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_s, au_ref.at[b, h, tokens])
     q_w = q() * jnp.exp(cum()) - _matmul(tile, [(_Regs(a_hi), k_s), (_Regs(a_lo), k_s)], interpret)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_s (A_qk u) is read
-    out_s[...] = q_w
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, qw_ref.at[b, h, tokens])
+    _store_split(q_w, *parts[:2])  # bf16 halves, the chain's left operand
+    plgpu.copy_smem_to_gmem(parts[0], qw_hi_ref.at[b, h, tokens])
+    plgpu.copy_smem_to_gmem(parts[1], qw_lo_ref.at[b, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
 
 def intra(q, k, v, g, beta, lengths, *, interpret=False):
-    """w (bf16), u, q_w, A_qk u, k exp(G_last - G) [B, H, T', d] and exp(G_last) [B, H, T' / 64, dk]
-    (fp32 unless said), T' = T rounded up to whole chunks.
+    """w (bf16), u, q_w (hi, lo), A_qk u, k exp(G_last - G) (hi, lo) [B, H, T', d] and exp(G_last)
+    [B, H, T' / 64, dk]: fp32, except w and the bf16 halves hi + lo of q_w and k exp(G_last - G) (the
+    chain's left operands); T' = T rounded up to whole chunks.
 
     q, k, v [B, T, H, d] bf16 with d in HEAD_DIMS; g [B, T, H, d] fp32 (natural-log decays, each
     >= MIN_GATE); beta [B, H, T] fp32; lengths [B] int32 (tokens of each sequence, <= T)."""
@@ -271,8 +272,8 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
     kernel = plgpu.kernel(
         functools.partial(_intra_kernel, interpret=interpret),
         out_type=(
-            per_token(_BF16), per_token(_F32), per_token(_F32), per_token(_F32), per_token(_F32),
-            jax.ShapeDtypeStruct((b, h, n_chunks, dk), _F32),
+            per_token(_BF16), per_token(_F32), per_token(_BF16), per_token(_BF16), per_token(_F32),
+            per_token(_BF16), per_token(_BF16), jax.ShapeDtypeStruct((b, h, n_chunks, dk), _F32),
         ),
         grid=(n_chunks, h, b),
         grid_names=("n", "h", "b"),

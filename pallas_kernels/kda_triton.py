@@ -1,96 +1,17 @@
-"""KDA kernels for NVIDIA GPUs in Pallas, Triton backend: the serial chain of the chunked prefill
-scan and the fused decode step. `kda.py` dispatches here; the parallel half of the scan is the
-Mosaic GPU kernel in `kda_intra`.
-
-Prefill, per head and 64-token chunk (G the running sum of the log decays inside the chunk):
-`kda_intra.intra` computes, for every chunk at once, the WY factors w and u, q_w = q exp(G) - A_qk w,
-A_qk u, k exp(G_last - G) and exp(G_last). `_chain_kernel` (serial over chunks, parallel over batch,
-head and value columns) carries the fp32 state S: v_new = u - w S, o = q_w S + A_qk u,
-S <- exp(G_last) S + (k exp(G_last - G))^T v_new (o = q exp(G) S + A_qk v_new rewritten with
-v_new = u - w S).
-
-Precision (fp32 state): the chain's fp32 products run in tf32; S is split into two bf16 halves for
-w S (w is bf16). u, q_w, A_qk u and k exp(G_last - G) stay fp32 in HBM: in bf16 they would cost
-1e-3 to 3e-3 of relative error.
-
-Speed (bench/RESULTS.md): Nsight Compute on the H200 found the chain at 255 registers per thread,
-spilling (856k local-memory requests), its pipelined loads taking 127 KB of shared memory, one
-program per SM.
+"""The fused KDA decode step for NVIDIA GPUs in Pallas, Triton backend. `kda.py` dispatches here; the
+chunked prefill scan is in Mosaic GPU (`kda_intra`, `kda_chain`).
 """
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import kda_intra
 
-CHUNK = kda_intra.CHUNK
 L2_EPS = kda_intra.L2_EPS
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanConfig:
-    """Launch shape of the chain kernel (benchmarked in bench/kda.py)."""
-
-    block_v: int = 32  # value columns of the state per chain program
-    chain_warps: int = 4
-    chain_stages: int = 3  # loads of the next chunks in flight (H200: 3 beat 2 by 3-4%)
-
-
-def _dot(a, b, *, trans_a=False, trans_b=False):
-    """fp32 operands run in tf32 on the tensor cores (the Triton lowering's default precision)."""
-    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-def _split_dot(a_bf16, s):
-    """a @ s with bf16 `a` and fp32 `s` carried as two bf16 halves: exact to 2^-16 of s."""
-    hi = s.astype(jnp.bfloat16)
-    lo = (s - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    return _dot(a_bf16, hi) + _dot(a_bf16, lo)
-
-
-def _chain_kernel(w_ref, u_ref, qw_ref, ou_ref, kd_ref, decay_ref, s0_ref, o_ref, s_ref, *, n_chunks, block_v):
-    """Serial over chunks for one head and `block_v` value columns, the fp32 state S in registers:
-    v_new = u - w S, o = q_w S + A_qk u, S <- 2^G_last S + (k 2^(G_last - G))^T v_new. Only the
-    first product is on the path from S to the next S; the output product runs beside it."""
-    vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = pl.ds(vb * block_v, block_v)
-
-    def step(n, s):
-        rows = pl.ds(n * CHUNK, CHUNK)
-        v_new = u_ref[b, h, rows, cols] - _split_dot(w_ref[b, h, rows, :], s)
-        o = _dot(qw_ref[b, h, rows, :], s) + ou_ref[b, h, rows, cols]
-        o_ref[b, rows, h, cols] = o.astype(o_ref.dtype)
-        return s * decay_ref[b, h, n, :][:, None] + _dot(kd_ref[b, h, rows, :], v_new, trans_a=True)
-
-    s_ref[b, h, :, cols] = lax.fori_loop(0, n_chunks, step, s0_ref[b, h, :, cols])
-
-
-def chunk_scan(q, k, v, g, beta, initial_state, lengths, *, out_dtype=jnp.bfloat16, config=ScanConfig(), interpret=False):
-    """The chunked KDA scan on the GPU: `kda_intra.intra` (Mosaic GPU), then the serial chain here.
-    q, k, v [B, T, H, d] bf16 (d in kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H],
-    `initial_state` fp32 [B, H, d, d] (zeros allowed), `lengths` int32 [B]. Returns o [B, T', H, d]
-    in `out_dtype` (T' = T rounded up to whole chunks; rows past T are meaningless) and the final state."""
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    block_v = min(config.block_v, dv)
-    parts = kda_intra.intra(q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(jnp.float32), lengths, interpret=interpret)
-    padded = parts[0].shape[2]
-    chain = pl.pallas_call(
-        functools.partial(_chain_kernel, n_chunks=padded // CHUNK, block_v=block_v),
-        grid=(dv // block_v, h, b),
-        out_shape=[jax.ShapeDtypeStruct((b, padded, h, dv), out_dtype), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=config.chain_warps, num_stages=config.chain_stages),
-        interpret=interpret,
-        name="kda_chain",
-    )
-    return chain(*parts, initial_state)
 
 
 def _decode_kernel(

@@ -1,0 +1,133 @@
+"""The serial half of the chunked KDA scan on Hopper, in Pallas Mosaic GPU: the fp32 state S carried
+across the chunks that `kda_intra.intra` prepared.
+
+One warpgroup per (value block, head, sequence) walks the chunks in order, the next chunk's tiles in
+flight (TMA, two slots) while it works on the current one:
+    v_new = u - w S,   o = q_w S + A_qk u,   S <- exp(G_last) S + (k exp(G_last - G))^T v_new.
+Every product takes its left operand from SMEM (w, q_w and k exp(G_last - G) as they arrive) and
+carries fp32 right operands (S, v_new) as bf16 halves, hi + lo; q_w and k exp(G_last - G) arrive as
+halves too (hi.hi + hi.lo + lo.hi), w is bf16 as the intra kernel computed it.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import kda_intra
+from pallas_kernels.kda_intra import _F32, _ROW, CHUNK, _load, _matmul, _operand_smem, _split
+
+BLOCK_V = 32  # value columns per program: two slots of its tiles fill most of the SMEM at dk = 128
+
+
+def _key_smem(shape, block_v):
+    """A [.., 64, dk] bf16 left operand whose right operand is [.., block_v] wide: both need the swizzle
+    of a block_v row."""
+    swizzle = min(2 * block_v, 128)
+    return plgpu.SMEM(
+        shape, jnp.bfloat16, transforms=(plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    )
+
+
+def _chain_kernel(
+    w_ref, u_ref, qw_hi_ref, qw_lo_ref, au_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
+    o_ref, s_ref,
+    w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_s, au_s, s_halves, v_halves, o_s, decay_s, arrived,
+    *, n_chunks, interpret,
+):
+    c = CHUNK
+    vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+    block_v = u_s.shape[-1]
+    dk = w_s.shape[-1]
+    cols = pl.ds(vb * block_v, block_v)
+
+    def fetch(n, slot):
+        tokens = pl.ds(n * c, c)
+        for src, dst in ((w_ref, w_s), (qw_hi_ref, qw_hi_s), (qw_lo_ref, qw_lo_s), (kd_hi_ref, kd_hi_s), (kd_lo_ref, kd_lo_s)):
+            plgpu.copy_gmem_to_smem(src.at[b, h, tokens], dst.at[slot], arrived.at[slot])
+        for src, dst in ((u_ref, u_s), (au_ref, au_s)):
+            plgpu.copy_gmem_to_smem(src.at[b, h, tokens, cols], dst.at[slot], arrived.at[slot])
+        plgpu.copy_gmem_to_smem(decay_ref.at[b, h, n], decay_s.at[slot], arrived.at[slot])
+
+    fetch(0, 0)
+
+    def step(n, s):
+        slot = lax.rem(n, 2)
+        plgpu.commit_smem()  # every thread is done with the previous chunk's buffers
+
+        @pl.when(n + 1 < n_chunks)
+        def _():
+            fetch(n + 1, 1 - slot)
+
+        plgpu.barrier_wait(arrived.at[slot])
+        s_hi, s_lo = _split(s)
+        s_halves[0][...] = s_hi
+        s_halves[1][...] = s_lo
+        plgpu.commit_smem()
+        w = w_s.at[slot]
+        v_new = _load(u_s.at[slot]) - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])], interpret)
+        v_hi, v_lo = _split(v_new)
+        v_halves[0][...] = v_hi
+        v_halves[1][...] = v_lo
+        plgpu.commit_smem()
+        qw_hi, qw_lo = qw_hi_s.at[slot], qw_lo_s.at[slot]
+        o = _load(au_s.at[slot]) + _matmul(
+            (c, block_v), [(qw_hi, s_halves[0]), (qw_hi, s_halves[1]), (qw_lo, s_halves[0])], interpret
+        )
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o is read
+        o_s[...] = o.astype(o_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, cols])
+        kd_hi, kd_lo = kd_hi_s.at[slot].T, kd_lo_s.at[slot].T  # [dk, 64]: channels as rows
+        written = _matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])], interpret)
+        decay = lax.broadcast_in_dim(_load(decay_s.at[slot], _ROW), (dk, block_v), [0])
+        return s * decay + written
+
+    s = lax.fori_loop(0, n_chunks, step, _load(s0_ref.at[b, h, :, cols]))
+    s_ref.at[b, h, :, cols][...] = s
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chain(w, u, qw_hi, qw_lo, au, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V, interpret=False):
+    """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
+    outputs and the fp32 initial state [B, H, dk, dv]."""
+    b, h, padded, dk = w.shape
+    dv = u.shape[-1]
+    block_v = min(block_v, dv)
+    c = CHUNK
+    slots = lambda shape, dtype=_F32: _operand_smem((2, *shape), dtype)  # noqa: E731
+    kernel = plgpu.kernel(
+        functools.partial(_chain_kernel, n_chunks=padded // c, interpret=interpret),
+        out_type=(
+            jax.ShapeDtypeStruct((b, padded, h, dv), out_dtype),
+            jax.ShapeDtypeStruct((b, h, dk, dv), _F32),
+        ),
+        grid=(dv // block_v, h, b),
+        grid_names=("v", "h", "b"),
+        scratch_types=(
+            *(_key_smem((2, c, dk), block_v) for _ in range(5)),  # w, q_w hi/lo, k exp(G_last - G) hi/lo
+            slots((c, block_v)),  # u
+            slots((c, block_v)),  # A_qk u
+            tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
+            tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
+            _operand_smem((c, block_v), out_dtype),  # o on its way out
+            plgpu.SMEM((2, dk), _F32),  # exp(G_last); unswizzled buffers after the swizzled ones
+            plgpu.Barrier(num_arrivals=8, num_barriers=2),
+        ),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="kda_chain",
+    )
+    return kernel(w, u, qw_hi, qw_lo, au, kd_hi, kd_lo, decay, initial_state)
+
+
+def chunk_scan(q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, interpret=False):
+    """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
+    kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
+    `lengths` int32 [B]. Returns o [B, T', H, d] in `out_dtype` (T' = T rounded up to whole chunks;
+    rows past T are meaningless) and the final state."""
+    parts = kda_intra.intra(q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, interpret=interpret)
+    return chain(*parts, initial_state, out_dtype=out_dtype, block_v=block_v, interpret=interpret)
