@@ -36,7 +36,7 @@ def _chain_kernel(
     w_ref, u_ref, qw_hi_ref, qw_lo_ref, au_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
     o_ref, s_ref,
     w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_s, au_s, s_halves, v_halves, o_s, decay_s, arrived,
-    *, n_chunks, interpret,
+    *, n_chunks,
 ):
     c = CHUNK
     vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
@@ -68,21 +68,21 @@ def _chain_kernel(
         s_halves[1][...] = s_lo
         plgpu.commit_smem()
         w = w_s.at[slot]
-        v_new = _load(u_s.at[slot]) - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])], interpret)
+        v_new = _load(u_s.at[slot]) - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
         v_hi, v_lo = _split(v_new)
         v_halves[0][...] = v_hi
         v_halves[1][...] = v_lo
         plgpu.commit_smem()
         qw_hi, qw_lo = qw_hi_s.at[slot], qw_lo_s.at[slot]
         o = _load(au_s.at[slot]) + _matmul(
-            (c, block_v), [(qw_hi, s_halves[0]), (qw_hi, s_halves[1]), (qw_lo, s_halves[0])], interpret
+            (c, block_v), [(qw_hi, s_halves[0]), (qw_hi, s_halves[1]), (qw_lo, s_halves[0])]
         )
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o is read
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, cols])
         kd_hi, kd_lo = kd_hi_s.at[slot].T, kd_lo_s.at[slot].T  # [dk, 64]: channels as rows
-        written = _matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])], interpret)
+        written = _matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])])
         decay = lax.broadcast_in_dim(_load(decay_s.at[slot], _ROW), (dk, block_v), [0])
         return s * decay + written
 
@@ -100,7 +100,7 @@ def chain(w, u, qw_hi, qw_lo, au, kd_hi, kd_lo, decay, initial_state, *, out_dty
     c = CHUNK
     slots = lambda shape, dtype=_F32: _operand_smem((2, *shape), dtype)  # noqa: E731
     kernel = plgpu.kernel(
-        functools.partial(_chain_kernel, n_chunks=padded // c, interpret=interpret),
+        functools.partial(_chain_kernel, n_chunks=padded // c),
         out_type=(
             jax.ShapeDtypeStruct((b, padded, h, dv), out_dtype),
             jax.ShapeDtypeStruct((b, h, dk, dv), _F32),

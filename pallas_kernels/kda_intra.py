@@ -1,5 +1,5 @@
 """The parallel half of the chunked KDA scan on Hopper, in Pallas Mosaic GPU: everything a 64-token
-chunk needs before the serial chain (`kda_triton._chain_kernel`) meets it.
+chunk needs before the serial chain (`kda_chain`) meets it.
 
 One warpgroup per (chunk, head, sequence), its tiles brought in by TMA (rows past the end of the
 sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma):
@@ -7,13 +7,18 @@ sequence arrive as zeros, so callers need not pad) and its products on the tenso
   g split into three bf16 parts (exact to fp32 rounding);
 - the scores A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), with q and k
   L2-normalised (q also scaled by dk^-0.5). The decay exp(G_i - G_j) of a channel factors through a
-  reference token: the middle token of each 32-token half for the two diagonal blocks and the
-  half's boundary for the lower-left block, so every factor is exp(x) with |x| <= 16 |g|: finite
-  while every gate g >= MIN_GATE (-5, the model's lower bound);
+  reference token: the middle token of each 16-token diagonal block (every factor exp(x) with
+  |x| <= 8 |g|, so that both bf16 halves stay normal numbers; 32-token blocks made the lo halves
+  subnormal and cost 7e-3 at gates of -5), or the boundary between a block of queries and the
+  earlier keys (both factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound);
 - T = (I + A_kk)^-1 by doubling, (I + N)(I + N^2)(I + N^4)...(I + N^32) with N = -A_kk;
 - the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
   u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
-  o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last).
+  o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last). q_w and k exp(G_last - G) leave as bf16
+  halves, the chain's left operands.
+
+Every wgmma takes its left operand from SMEM: register operands are staged there first (see
+`_matmul`). SMEM: about 209 KB at dk = 128, one CTA per SM.
 
 Precision: the tensor cores multiply bf16; fp32 operands are carried as two bf16 halves (hi + lo,
 16 significant bits, three products: hi.hi + hi.lo + lo.hi), which makes the kernel as accurate as
@@ -74,33 +79,36 @@ def _split(x):
     return hi, (x - hi.astype(_F32)).astype(_BF16)
 
 
-def _matmul(shape, pairs, interpret):
-    """sum(a @ b for a, b in pairs) in fp32 on the tensor cores; a is `_Regs` or an SMEM ref, b an SMEM ref."""
-    staged = [i for i, (a, _) in enumerate(pairs) if isinstance(a, _Regs)]
-    if staged:  # through SMEM (the interpreter's wgmma reads both operands from there)
+def _matmul(shape, pairs):
+    """sum(a @ b for a, b in pairs) in fp32 on the tensor cores; a is `_Regs` or an SMEM ref, b an SMEM ref.
+
+    Register operands go through SMEM (one buffer per distinct array): on the H200, wgmma products
+    with A in registers gave wrong rows under this kernel's register pressure (bench/RESULTS.md),
+    and the interpreter's wgmma reads both operands from SMEM anyway."""
+    staged = list({id(a.value): a.value for a, _ in pairs if isinstance(a, _Regs)}.values())
+    if staged:
 
         def with_buffers(*buffers):
-            in_smem = list(pairs)
-            for i, buffer in zip(staged, buffers):
-                buffer[...] = pairs[i][0].value
-                in_smem[i] = (buffer, pairs[i][1])
+            where = {id(value): buffer for value, buffer in zip(staged, buffers)}
+            for value, buffer in zip(staged, buffers):
+                buffer[...] = value
             plgpu.commit_smem()
-            return _matmul(shape, in_smem, interpret)
+            return _matmul(shape, [(where[id(a.value)] if isinstance(a, _Regs) else a, b) for a, b in pairs])
 
-        return pl.run_scoped(with_buffers, *(_operand_smem(pairs[i][0].value.shape) for i in staged))
+        return pl.run_scoped(with_buffers, *(_operand_smem(value.shape) for value in staged))
 
     def accumulate(acc):
         for a, b in pairs:
-            plgpu.wgmma(acc, a.value if isinstance(a, _Regs) else a, b)
+            plgpu.wgmma(acc, a, b)
         return acc[...]
 
     return pl.run_scoped(accumulate, plgpu.ACC(shape, _F32))
 
 
-def _precise_matmul(shape, x, y_hi, y_lo, interpret):
+def _precise_matmul(shape, x, y_hi, y_lo):
     """x @ y for fp32 registers x and y stored as bf16 halves: hi.hi + hi.lo + lo.hi."""
     x_hi, x_lo = _split(x)
-    return _matmul(shape, [(_Regs(x_hi), y_hi), (_Regs(x_hi), y_lo), (_Regs(x_lo), y_hi)], interpret)
+    return _matmul(shape, [(_Regs(x_hi), y_hi), (_Regs(x_hi), y_lo), (_Regs(x_lo), y_hi)])
 
 
 def _store_split(x, hi_ref, lo_ref):
@@ -110,7 +118,7 @@ def _store_split(x, hi_ref, lo_ref):
     plgpu.commit_smem()
 
 
-def _unit_lower_inverse(a, halves, interpret):
+def _unit_lower_inverse(a, halves):
     """(I + A)^-1 for strictly lower fp32 [C, C] A by doubling: N = -A is nilpotent (N^C = 0), so
     (I + A)^-1 = (I + N)(I + N^2)(I + N^4)...(I + N^(C/2))."""
     shape = a.shape
@@ -118,10 +126,10 @@ def _unit_lower_inverse(a, halves, interpret):
     inverse = jnp.where(_iota(shape, 0) == _iota(shape, 1), 1.0, 0.0) + power
     for _ in range(int(math.log2(CHUNK)) - 1):
         _store_split(power, *halves)
-        power = _precise_matmul(shape, power, *halves, interpret)
+        power = _precise_matmul(shape, power, *halves)
         plgpu.commit_smem()  # every wgmma has read the halves
         _store_split(power, *halves)
-        inverse = inverse + _precise_matmul(shape, inverse, *halves, interpret)
+        inverse = inverse + _precise_matmul(shape, inverse, *halves)
         plgpu.commit_smem()
     return inverse
 
@@ -129,7 +137,7 @@ def _unit_lower_inverse(a, halves, interpret):
 def _intra_kernel(
     lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
     w_ref, u_ref, qw_hi_ref, qw_lo_ref, au_ref, kd_hi_ref, kd_lo_ref, decay_ref,
-    q_s, k_s, v_s, g_s, parts, halves, cum_s, beta_s, loaded, *, interpret,
+    q_s, k_s, v_s, g_s, parts, halves, cum_s, beta_s, loaded,
 ):
     """One chunk of one head. Tiles are read back from SMEM where they are needed rather than kept
     in registers: a [64, 128] fp32 tile is 64 registers per thread."""
@@ -158,7 +166,7 @@ def _intra_kernel(
         ref[...] = part
     plgpu.commit_smem()
     ones = jnp.where(_iota(square, 1) <= _iota(square, 0), 1.0, 0.0).astype(_BF16)
-    cum_s[...] = _matmul(tile, [(_Regs(ones), ref) for ref in parts], interpret)
+    cum_s[...] = _matmul(tile, [(_Regs(ones), ref) for ref in parts])
     plgpu.commit_smem()
 
     def cum():
@@ -199,8 +207,8 @@ def _intra_kernel(
             e = jnp.exp(jnp.where(query_rows, exponent, -exponent))
             key_factor, query_factor = jnp.where(query_rows, 0.0, e), lambda: jnp.where(query_rows, e, 0.0)
         _store_split(k() * key_factor, *parts[:2])
-        qk = _precise_matmul(square, q() * query_factor(), *keys, interpret)
-        kk = _precise_matmul(square, k(beta) * query_factor(), *keys, interpret)
+        qk = _precise_matmul(square, q() * query_factor(), *keys)
+        kk = _precise_matmul(square, k(beta) * query_factor(), *keys)
         plgpu.commit_smem()  # the products have read the keys
         return jnp.where(blocks & (cl <= r), qk, 0.0), jnp.where(blocks & (cl < r), kk, 0.0)
 
@@ -223,16 +231,16 @@ def _intra_kernel(
     plgpu.copy_smem_to_gmem(parts[1], kd_lo_ref.at[b, h, tokens])
 
     # WY factors with T diag(beta): w = T_b (k exp(G)), u = T_b v.
-    t = _unit_lower_inverse(a_kk, halves, interpret) * cols_of(_load(beta_s, _COL), square)
+    t = _unit_lower_inverse(a_kk, halves) * cols_of(_load(beta_s, _COL), square)
     t_hi, t_lo = _split(t)
     x = k() * jnp.exp(cum())
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the halves of k exp(G_last - G) are read
     _store_split(x, *parts[:2])
-    w = _matmul(tile, [(_Regs(t_hi), parts[0]), (_Regs(t_hi), parts[1]), (_Regs(t_lo), parts[0])], interpret)
+    w = _matmul(tile, [(_Regs(t_hi), parts[0]), (_Regs(t_hi), parts[1]), (_Regs(t_lo), parts[0])])
     k_s[...] = w.astype(_BF16)  # k is not needed any more
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
-    u = _matmul(tile, [(_Regs(t_hi), v_s), (_Regs(t_lo), v_s)], interpret)
+    u = _matmul(tile, [(_Regs(t_hi), v_s), (_Regs(t_lo), v_s)])
     _store_split(u, *parts[:2])
     out_s[...] = u
     plgpu.commit_smem()
@@ -240,12 +248,12 @@ def _intra_kernel(
 
     # q_w = q exp(G) - A_qk w (the bf16 w the chain multiplies); A_qk u.
     a_hi, a_lo = _split(a_qk)
-    au = _matmul(tile, [(_Regs(a_hi), parts[0]), (_Regs(a_hi), parts[1]), (_Regs(a_lo), parts[0])], interpret)
+    au = _matmul(tile, [(_Regs(a_hi), parts[0]), (_Regs(a_hi), parts[1]), (_Regs(a_lo), parts[0])])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_s (u) is read
     out_s[...] = au
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_s, au_ref.at[b, h, tokens])
-    q_w = q() * jnp.exp(cum()) - _matmul(tile, [(_Regs(a_hi), k_s), (_Regs(a_lo), k_s)], interpret)
+    q_w = q() * jnp.exp(cum()) - _matmul(tile, [(_Regs(a_hi), k_s), (_Regs(a_lo), k_s)])
     _store_split(q_w, *parts[:2])  # bf16 halves, the chain's left operand
     plgpu.copy_smem_to_gmem(parts[0], qw_hi_ref.at[b, h, tokens])
     plgpu.copy_smem_to_gmem(parts[1], qw_lo_ref.at[b, h, tokens])
@@ -270,7 +278,7 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
     tile = (c, dk)
     per_token = lambda dtype: jax.ShapeDtypeStruct((b, h, padded, dk), dtype)  # noqa: E731
     kernel = plgpu.kernel(
-        functools.partial(_intra_kernel, interpret=interpret),
+        _intra_kernel,
         out_type=(
             per_token(_BF16), per_token(_F32), per_token(_BF16), per_token(_BF16), per_token(_F32),
             per_token(_BF16), per_token(_BF16), jax.ShapeDtypeStruct((b, h, n_chunks, dk), _F32),
