@@ -83,10 +83,10 @@ def _chain_kernel(
         plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, cols])
         kd_hi, kd_lo = kd_hi_s.at[slot].T, kd_lo_s.at[slot].T  # [dk, 64]: channels as rows
         written = _matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])])
-        decay = lax.broadcast_in_dim(_load(decay_s.at[slot], _ROW), (dk, block_v), [0])
+        decay = lax.broadcast_in_dim(_load(decay_s.at[slot], _ROW, optimized=False), (dk, block_v), [0])
         return s * decay + written
 
-    s = lax.fori_loop(0, n_chunks, step, _load(s0_ref.at[b, h, :, cols]))
+    s = lax.fori_loop(0, n_chunks, step, _load(s0_ref.at[b, h, :, cols], optimized=False))
     s_ref.at[b, h, :, cols][...] = s
     plgpu.wait_smem_to_gmem(0)
 

@@ -45,6 +45,7 @@ MIN_GATE = -5.0
 HEAD_DIMS = (64, 128)
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
+_MARKS = CHUNK // 8  # G is also passed at every 8th token (the scores' reference tokens and the last)
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
 _COL = _WG.reduce(0)  # one value per column
@@ -65,8 +66,9 @@ def _operand_smem(shape, dtype=_BF16):
     )
 
 
-def _load(ref, layout=_WG):
-    return plgpu.load(ref, layout=layout, optimized=False)
+def _load(ref, layout=_WG, optimized=True):
+    """A tile from SMEM; `optimized` (the default) refuses access patterns with bank conflicts."""
+    return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
 def _iota(shape, dim):
@@ -135,9 +137,9 @@ def _unit_lower_inverse(a, halves):
 
 
 def _intra_kernel(
-    lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-    w_ref, u_ref, qw_hi_ref, qw_lo_ref, au_ref, kd_hi_ref, kd_lo_ref, decay_ref,
-    q_s, k_s, v_s, g_s, parts, halves, cum_s, beta_s, loaded,
+    q_ref, k_ref, v_ref, cum_ref, marks_ref, beta_ref,
+    w_ref, u_ref, qw_hi_ref, qw_lo_ref, au_ref, kd_hi_ref, kd_lo_ref,
+    q_s, k_s, v_s, cum_s, out_s, parts, halves, marks_s, beta_s, loaded,
 ):
     """One chunk of one head. Tiles are read back from SMEM where they are needed rather than kept
     in registers: a [64, 128] fp32 tile is 64 registers per thread."""
@@ -145,8 +147,9 @@ def _intra_kernel(
     n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
     dk = q_s.shape[1]
     tokens = pl.ds(n * c, c)
-    for src, dst in ((q_ref, q_s), (k_ref, k_s), (v_ref, v_s), (g_ref, g_s)):
+    for src, dst in ((q_ref, q_s), (k_ref, k_s), (v_ref, v_s), (cum_ref, cum_s)):
         plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, loaded)
+    plgpu.copy_gmem_to_smem(marks_ref.at[b, pl.ds(n * _MARKS, _MARKS), h], marks_s, loaded)
     plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tokens], beta_s, loaded)
     plgpu.barrier_wait(loaded)
     tile, square = (c, dk), (c, c)
@@ -157,26 +160,14 @@ def _intra_kernel(
     def cols_of(x, shape=tile):
         return lax.broadcast_in_dim(x, shape, [1])
 
-    # G = tril(ones) @ g, g in three bf16 parts; tokens at or past the sequence's length do not decay.
-    g = jnp.where(_iota(tile, 0) < lengths_ref[b] - n * c, _load(g_s), 0.0)
-    out_s = g_s  # from here on the outputs' staging buffer
-    g_hi = g.astype(_BF16)
-    g_mid, g_lo = _split(g - g_hi.astype(_F32))
-    for part, ref in zip((g_hi, g_mid, g_lo), parts):
-        ref[...] = part
-    plgpu.commit_smem()
-    ones = jnp.where(_iota(square, 1) <= _iota(square, 0), 1.0, 0.0).astype(_BF16)
-    cum_s[...] = _matmul(tile, [(_Regs(ones), ref) for ref in parts])
-    plgpu.commit_smem()
-
     def cum():
         return _load(cum_s)
 
-    def at_token(i):  # G at token i, one value per column
-        return cols_of(_load(cum_s.at[i], _COL))
+    def at_token(i):  # G at token i (one of the marks), one value per column
+        assert i % _MARKS == _MARKS - 1
+        return cols_of(_load(marks_s.at[i // _MARKS], _COL, optimized=False))
 
-    last = _load(cum_s.at[c - 1], _COL)
-    decay_ref.at[b, h, n][...] = jnp.exp(last)
+    last = _load(marks_s.at[_MARKS - 1], _COL, optimized=False)
 
     def inverse_norm(ref, scale):
         x = _load(ref).astype(_F32)
@@ -206,7 +197,7 @@ def _intra_kernel(
         else:
             e = jnp.exp(jnp.where(query_rows, exponent, -exponent))
             key_factor, query_factor = jnp.where(query_rows, 0.0, e), lambda: jnp.where(query_rows, e, 0.0)
-        _store_split(k() * key_factor, *parts[:2])
+        _store_split(k() * key_factor, *parts)
         qk = _precise_matmul(square, q() * query_factor(), *keys)
         kk = _precise_matmul(square, k(beta) * query_factor(), *keys)
         plgpu.commit_smem()  # the products have read the keys
@@ -226,7 +217,7 @@ def _intra_kernel(
         a_qk, a_kk = a_qk + qk, a_kk + kk
 
     # k exp(G_last - G) out, as bf16 halves (the chain's left operand).
-    _store_split(k() * jnp.exp(cols_of(last) - cum()), *parts[:2])
+    _store_split(k() * jnp.exp(cols_of(last) - cum()), *parts)
     plgpu.copy_smem_to_gmem(parts[0], kd_hi_ref.at[b, h, tokens])
     plgpu.copy_smem_to_gmem(parts[1], kd_lo_ref.at[b, h, tokens])
 
@@ -235,13 +226,13 @@ def _intra_kernel(
     t_hi, t_lo = _split(t)
     x = k() * jnp.exp(cum())
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the halves of k exp(G_last - G) are read
-    _store_split(x, *parts[:2])
+    _store_split(x, *parts)
     w = _matmul(tile, [(_Regs(t_hi), parts[0]), (_Regs(t_hi), parts[1]), (_Regs(t_lo), parts[0])])
     k_s[...] = w.astype(_BF16)  # k is not needed any more
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
     u = _matmul(tile, [(_Regs(t_hi), v_s), (_Regs(t_lo), v_s)])
-    _store_split(u, *parts[:2])
+    _store_split(u, *parts)
     out_s[...] = u
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_s, u_ref.at[b, h, tokens])
@@ -254,7 +245,7 @@ def _intra_kernel(
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_s, au_ref.at[b, h, tokens])
     q_w = q() * jnp.exp(cum()) - _matmul(tile, [(_Regs(a_hi), k_s), (_Regs(a_lo), k_s)])
-    _store_split(q_w, *parts[:2])  # bf16 halves, the chain's left operand
+    _store_split(q_w, *parts)  # bf16 halves, the chain's left operand
     plgpu.copy_smem_to_gmem(parts[0], qw_hi_ref.at[b, h, tokens])
     plgpu.copy_smem_to_gmem(parts[1], qw_lo_ref.at[b, h, tokens])
     plgpu.wait_smem_to_gmem(0)
@@ -269,19 +260,22 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
     >= MIN_GATE); beta [B, H, T] fp32; lengths [B] int32 (tokens of each sequence, <= T)."""
     b, t, h, dk = q.shape
     c = CHUNK
-    beta = jnp.where(jnp.arange(t) < lengths[:, None, None], beta, 0.0)  # past a sequence's end: no writes
-    if t % 8:  # TMA needs whole 8-row tiles and 16-byte strides in HBM; the rows past T read as zeros anyway
-        q, k, v, g = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v, g))
-        beta = jnp.pad(beta, [(0, 0), (0, 0), (0, -t % 8)])
     n_chunks = -(-t // c)
     padded = n_chunks * c
+    beta = jnp.where(jnp.arange(t) < lengths[:, None, None], beta, 0.0)  # past a sequence's end: no writes
+    cum = chunk_cumsum(g, lengths, padded)
+    marks = cum[:, _MARKS - 1 :: _MARKS]  # [B, T' / 8, H, dk]
+    decay = jnp.exp(jnp.swapaxes(cum[:, c - 1 :: c], 1, 2))  # exp(G_last) [B, H, T' / 64, dk]
+    if t % 8:  # TMA needs whole 8-row tiles and 16-byte strides in HBM; the rows past T read as zeros anyway
+        q, k, v = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v))
+        beta = jnp.pad(beta, [(0, 0), (0, 0), (0, -t % 8)])
     tile = (c, dk)
     per_token = lambda dtype: jax.ShapeDtypeStruct((b, h, padded, dk), dtype)  # noqa: E731
     kernel = plgpu.kernel(
         _intra_kernel,
         out_type=(
             per_token(_BF16), per_token(_F32), per_token(_BF16), per_token(_BF16), per_token(_F32),
-            per_token(_BF16), per_token(_BF16), jax.ShapeDtypeStruct((b, h, n_chunks, dk), _F32),
+            per_token(_BF16), per_token(_BF16),
         ),
         grid=(n_chunks, h, b),
         grid_names=("n", "h", "b"),
@@ -289,17 +283,27 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
             _operand_smem(tile),  # q
             _operand_smem(tile),  # k, then w
             _operand_smem(tile),  # v
-            _operand_smem(tile, _F32),  # g, then the outputs on their way out
-            tuple(_operand_smem(tile) for _ in range(3)),  # parts of g, then halves of right operands
+            _operand_smem(tile, _F32),  # G
+            _operand_smem(tile, _F32),  # fp32 outputs on their way out
+            (_operand_smem(tile), _operand_smem(tile)),  # halves of right operands
             (_operand_smem(square := (c, c)), _operand_smem(square)),  # halves of the inverse's operands
             # Unswizzled buffers last: on the H200 one placed before the swizzled operands gave wrong
             # products in rows 8-15 of every 16 (bench/mosaic_probe.py).
-            plgpu.SMEM(tile, _F32),  # G: unswizzled, its rows are read as vectors
+            plgpu.SMEM((_MARKS, dk), _F32),  # G at every 8th token: unswizzled, its rows are read as vectors
             plgpu.SMEM((c,), _F32),  # beta
-            plgpu.Barrier(num_arrivals=5),
+            plgpu.Barrier(num_arrivals=6),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="kda_intra",
     )
-    return kernel(lengths, q, k, v, g, beta)
+    return (*kernel(q, k, v, cum, marks, beta), decay)
+
+
+def chunk_cumsum(g, lengths, padded):
+    """G [B, T', H, dk] fp32: the running sum of g inside each 64-token chunk, T' = `padded` tokens;
+    tokens at or past a sequence's length do not decay."""
+    b, t, h, dk = g.shape
+    g = jnp.where((jnp.arange(t) < lengths[:, None])[:, :, None, None], g.astype(_F32), 0.0)
+    g = jnp.pad(g, [(0, 0), (0, padded - t), (0, 0), (0, 0)])
+    return jnp.cumsum(g.reshape(b, padded // CHUNK, CHUNK, h, dk), axis=2).reshape(b, padded, h, dk)
