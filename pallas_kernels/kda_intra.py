@@ -122,18 +122,23 @@ def _store_split(x, hi_ref, lo_ref):
 
 def _unit_lower_inverse(a, halves):
     """(I + A)^-1 for strictly lower fp32 [C, C] A by doubling: N = -A is nilpotent (N^C = 0), so
-    (I + A)^-1 = (I + N)(I + N^2)(I + N^4)...(I + N^(C/2))."""
+    (I + A)^-1 = (I + N)(I + N^2)(I + N^4)...(I + N^(C/2)). A loop, not unrolled: the kernel's
+    straight-line code outgrew the instruction cache (most stalls on the H200 were fetches)."""
     shape = a.shape
     power = -a
-    inverse = jnp.where(_iota(shape, 0) == _iota(shape, 1), 1.0, 0.0) + power
-    for _ in range(int(math.log2(CHUNK)) - 1):
+
+    def double(_, carry):
+        power, inverse = carry
         _store_split(power, *halves)
         power = _precise_matmul(shape, power, *halves)
         plgpu.commit_smem()  # every wgmma has read the halves
         _store_split(power, *halves)
         inverse = inverse + _precise_matmul(shape, inverse, *halves)
         plgpu.commit_smem()
-    return inverse
+        return power, inverse
+
+    inverse = jnp.where(_iota(shape, 0) == _iota(shape, 1), 1.0, 0.0) + power
+    return lax.fori_loop(0, int(math.log2(CHUNK)) - 1, double, (power, inverse))[1]
 
 
 def _intra_kernel(
@@ -163,9 +168,8 @@ def _intra_kernel(
     def cum():
         return _load(cum_s)
 
-    def at_token(i):  # G at token i (one of the marks), one value per column
-        assert i % _MARKS == _MARKS - 1
-        return cols_of(_load(marks_s.at[i // _MARKS], _COL, optimized=False))
+    def at_mark(i):  # G at token 8 i + 7, one value per column
+        return cols_of(_load(marks_s.at[i], _COL, optimized=False))
 
     last = _load(marks_s.at[_MARKS - 1], _COL, optimized=False)
 
@@ -182,39 +186,41 @@ def _intra_kernel(
     def k(scale=1.0):  # L2-normalised, times a per-row scale
         return _load(k_s).astype(_F32) * rows_of(k_scale * scale)
 
-    # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, with the reference
-    # token in the middle of each 16-token diagonal block (factors exp(x), |x| <= 8 |g|, both halves
-    # of a split factor normal numbers), or at the boundary between a block of queries and the
-    # earlier keys (both factors <= 1).
+    # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, in three passes (a
+    # loop, to keep the code small) with different reference tokens. Pass 0: the middle token of each
+    # 16-token diagonal block (factors exp(x), |x| <= 8 |g|, both halves of a split factor normal
+    # numbers). Passes 1 and 2: the boundary between a block of queries and the earlier keys (both
+    # factors <= 1): blocks 1 x 0 and 3 x 2 through tokens 15 and 47, the lower-left half through 31.
     r, cl = _iota(square, 0), _iota(square, 1)
-    keys = (parts[0].T, parts[1].T)  # key rows as the right operand's columns
-
-    def scores(exponent, query_rows, blocks):
-        """A_qk and A_kk terms of the `blocks` with query factors exp(exponent) on `query_rows` and
-        key factors exp(-exponent) on the others (every row both when query_rows is None)."""
-        if query_rows is None:
-            key_factor, query_factor = jnp.exp(-exponent), lambda: jnp.exp(exponent)
-        else:
-            e = jnp.exp(jnp.where(query_rows, exponent, -exponent))
-            key_factor, query_factor = jnp.where(query_rows, 0.0, e), lambda: jnp.where(query_rows, e, 0.0)
-        _store_split(k() * key_factor, *parts)
-        qk = _precise_matmul(square, q() * query_factor(), *keys)
-        kk = _precise_matmul(square, k(beta) * query_factor(), *keys)
-        plgpu.commit_smem()  # the products have read the keys
-        return jnp.where(blocks & (cl <= r), qk, 0.0), jnp.where(blocks & (cl < r), kk, 0.0)
-
     row = _iota(tile, 0)
     block = row // SUB_CHUNK
-    middle = functools.reduce(
-        lambda acc, j: jnp.where(block == j, at_token(j * SUB_CHUNK + SUB_CHUNK // 2 - 1), acc),
-        range(1, c // SUB_CHUNK), at_token(SUB_CHUNK // 2 - 1),
-    )
-    a_qk, a_kk = scores(cum() - middle, None, r // SUB_CHUNK == cl // SUB_CHUNK)
-    # Blocks 1 x 0 and 3 x 2 through tokens 15 and 47; the lower-left half through token 31.
-    boundary = jnp.where(row < HALF, at_token(SUB_CHUNK - 1), at_token(HALF + SUB_CHUNK - 1))
+    keys = (parts[0].T, parts[1].T)  # key rows as the right operand's columns
     pairs = (r // SUB_CHUNK % 2 == 1) & (cl // SUB_CHUNK == r // SUB_CHUNK - 1)
-    for qk, kk in (scores(cum() - boundary, block % 2 == 1, pairs), scores(cum() - at_token(HALF - 1), row >= HALF, (r >= HALF) & (cl < HALF))):
-        a_qk, a_kk = a_qk + qk, a_kk + kk
+    lower_left = (r >= HALF) & (cl < HALF)
+
+    def reference(i):
+        """G at pass i's reference token of each row, [C, dk]."""
+        def mark(j):  # the mark (every 8th token) of row block j's reference
+            return jnp.where(i == 0, 2 * j, jnp.where(i == 1, 4 * (j // 2) + 1, HALF // _MARKS - 1))
+        return functools.reduce(
+            lambda acc, j: jnp.where(block == j, at_mark(mark(j)), acc), range(1, c // SUB_CHUNK), at_mark(mark(0))
+        )
+
+    def score_pass(i, carry):
+        a_qk, a_kk = carry
+        exponent = cum() - reference(i)
+        query_rows = (i == 0) | jnp.where(i == 1, block % 2 == 1, row >= HALF)
+        key_rows = (i == 0) | ~query_rows
+        _store_split(k() * jnp.where(key_rows, jnp.exp(-exponent), 0.0), *parts)
+        query_factor = jnp.where(query_rows, jnp.exp(exponent), 0.0)
+        qk = _precise_matmul(square, q() * query_factor, *keys)
+        kk = _precise_matmul(square, k(beta) * query_factor, *keys)
+        plgpu.commit_smem()  # the products have read the keys
+        blocks = jnp.where(i == 0, r // SUB_CHUNK == cl // SUB_CHUNK, jnp.where(i == 1, pairs, lower_left))
+        return a_qk + jnp.where(blocks & (cl <= r), qk, 0.0), a_kk + jnp.where(blocks & (cl < r), kk, 0.0)
+
+    zeros = plgpu.layout_cast(jnp.zeros(square, _F32), _WG)
+    a_qk, a_kk = lax.fori_loop(0, 3, score_pass, (zeros, zeros))
 
     # k exp(G_last - G) out, as bf16 halves (the chain's left operand).
     _store_split(k() * jnp.exp(cols_of(last) - cum()), *parts)
