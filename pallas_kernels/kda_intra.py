@@ -2,15 +2,16 @@
 chunk needs before the serial chain (`kda_chain`) meets it.
 
 One warpgroup per (chunk, head, sequence), its tiles brought in by TMA (rows past the end of the
-sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma):
-- G, the running sum of the log decays inside the chunk, as a lower-triangular matrix of ones times
-  g split into three bf16 parts (exact to fp32 rounding);
+sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma).
+G, the running sum of the log decays inside the chunk, comes from XLA (`chunk_cumsum`, with G at
+every 8th token for the reference tokens below). The kernel computes:
 - the scores A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), with q and k
   L2-normalised (q also scaled by dk^-0.5). The decay exp(G_i - G_j) of a channel factors through a
   reference token: the middle token of each 16-token diagonal block (every factor exp(x) with
   |x| <= 8 |g|, so that both bf16 halves stay normal numbers; 32-token blocks made the lo halves
   subnormal and cost 7e-3 at gates of -5), or the boundary between a block of queries and the
-  earlier keys (both factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound);
+  earlier keys (both factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound).
+  Three passes, one per choice of reference tokens;
 - T = (I + A_kk)^-1 by doubling, (I + N)(I + N^2)(I + N^4)...(I + N^32) with N = -A_kk;
 - the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
   u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
@@ -18,7 +19,9 @@ sequence arrive as zeros, so callers need not pad) and its products on the tenso
   halves, the chain's left operands.
 
 Every wgmma takes its left operand from SMEM: register operands are staged there first (see
-`_matmul`). SMEM: about 209 KB at dk = 128, one CTA per SM.
+`_matmul`). Every tile load is free of bank conflicts (`optimized=True`). SMEM: 202 KB at dk = 128
+(ncu), one CTA per SM; 255 registers. The repeated stages (score passes, doubling steps) are loops:
+unrolled, the code outgrew the instruction cache and most cycles went to instruction fetch.
 
 Precision: the tensor cores multiply bf16; fp32 operands are carried as two bf16 halves (hi + lo,
 16 significant bits, three products: hi.hi + hi.lo + lo.hi), which makes the kernel as accurate as
@@ -294,7 +297,7 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
             (_operand_smem(tile), _operand_smem(tile)),  # halves of right operands
             (_operand_smem(square := (c, c)), _operand_smem(square)),  # halves of the inverse's operands
             # Unswizzled buffers last: on the H200 one placed before the swizzled operands gave wrong
-            # products in rows 8-15 of every 16 (bench/mosaic_probe.py).
+            # products in rows 8-15 of every 16 (bench/RESULTS.md, the probes of commit 8556005).
             plgpu.SMEM((_MARKS, dk), _F32),  # G at every 8th token: unswizzled, its rows are read as vectors
             plgpu.SMEM((c,), _F32),  # beta
             plgpu.Barrier(num_arrivals=6),
