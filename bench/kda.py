@@ -1,6 +1,6 @@
 """KDA on the GPU: our Pallas kernels against the pure-jnp reference and the peers, in one run.
 
-Prefill: `kda_chunk_scan` (Pallas: the Mosaic GPU intra kernel, then the Triton chain) vs fla-core 0.6.0 `chunk_kda` (Triton, torch) and
+Prefill: `kda_chunk_scan` (Pallas, Triton backend) vs fla-core 0.6.0 `chunk_kda` (Triton, torch) and
 jla 0.1.0 `kda` (Pallas Mosaic GPU) at (B, T, H) = (1, 16384, 16), (1, 8192, 64), (8, 4096, 16), D = 128.
 Decode: `kda_decode_step` (conv + gate + state update fused) at batch 1, 64, 256 with H = 64 vs the
 state-bytes roofline and fla's `fused_recurrent_kda_fwd` (core update only, as probe_kda_decode.py).
@@ -24,17 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import kda, kda_intra, kda_triton
+from pallas_kernels import kda, kda_triton
 
 PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
 DECODE_BATCHES = [1, 64, 256]
-CONFIGS = {  # "default" is kda_triton.ScanConfig(); the others change one knob of the chain
+CONFIGS = {  # "default" is kda_triton.ScanConfig(); the others change one knob of it
     "default": kda_triton.ScanConfig(),
     "v16": kda_triton.ScanConfig(block_v=16),
     "v64": kda_triton.ScanConfig(block_v=64),
+    "i8": kda_triton.ScanConfig(intra_warps=8),
     "c8": kda_triton.ScanConfig(chain_warps=8),
     "s2": kda_triton.ScanConfig(chain_stages=2),
 }
+INTRA_VARIANTS = ("default", "i8")  # configs whose intra kernels differ: timed alone too
 DECODE_VARIANTS = [(64, 4)]  # (block_v, num_warps)
 ROWS = []  # (section, name, shape, error, ms, note)
 INTERPRET = False  # --interpret: a CPU smoke run of this script on tiny shapes
@@ -129,31 +131,32 @@ def bench_prefill(configs):
             except Exception as e:
                 traceback.print_exc()
                 log(f"ours {name} {shape}: FAILED {type(e).__name__}")
-        split_timing(q, k, v, g, beta, shape)
+        for name in INTRA_VARIANTS if (b, t, h, d) == PREFILL_SHAPES[min(1, len(PREFILL_SHAPES) - 1)] else ():
+            if name in configs:
+                split_timing(q, k, v, g, beta, configs[name], f"{shape} {name}")
         if PEERS:
             peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d)
     return results
 
 
-def intra_ms(q, k, v, g, beta, interpret=False):
+def intra_ms(q, k, v, g, beta, cfg, interpret=False):
     """Per-call time of the parallel intra kernel alone: the rest of the scan's time is the serial chain."""
     b, t = q.shape[:2]
     lengths = jnp.full((b,), t, jnp.int32)
-    beta_heads = jnp.swapaxes(beta, 1, 2).astype(jnp.float32)
 
     def step(c):
-        outs = kda_intra.intra(q, k, v, g, beta_heads + c * 0, lengths, interpret=interpret)
+        outs = kda_triton.intra(q, k, v, g, beta + c.astype(beta.dtype) * 0, lengths, config=cfg, interpret=interpret)
         return c + sum(x[0, 0, 0, 0].astype(jnp.float32) * 0 for x in outs)
 
     return loop_ms(step, jnp.float32(0))
 
 
-def split_timing(q, k, v, g, beta, shape):
+def split_timing(q, k, v, g, beta, cfg, shape):
     b, t, h, d = q.shape
     try:
-        ms = intra_ms(q, k, v, g, beta, INTERPRET)
-        # reads q, k, v (bf16), g (fp32), beta; writes w (bf16), u, q_w, A_qk u, k exp(G_last - G) (fp32)
-        byts = b * t * h * (3 * 2 * d + 4 * d + 4 + 2 * d + 4 * 4 * d)
+        ms = intra_ms(q, k, v, g, beta, cfg, INTERPRET)
+        # reads q, k, v (bf16), g (fp32), beta; writes w (bf16), u, q_w, A_qk u, k 2^(G_last - G) (fp32)
+        byts = b * t * h * (3 * 2 * d + 4 * d + 2 + 2 * d + 4 * 4 * d)
         log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e6:.0f} GB/s of its {byts / 1e9:.2f} GB)")
         ROWS.append(("prefill", "  ours: intra kernel alone", shape, float("nan"), ms, f"{byts / ms / 1e6:.0f} GB/s"))
     except Exception:

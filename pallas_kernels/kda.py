@@ -10,7 +10,7 @@ as transformers' `use_qk_l2norm_in_kernel=True` does.
 `kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form;
 `kda_decode_step` one token per sequence with everything around the core fused in (the short conv
 and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions are pure jnp and are
-the oracles of the Pallas kernels in `kda_intra` and `kda_triton`.
+the oracles of the Pallas kernels in `kda_triton`.
 
 A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
 sequence): a padded position neither decays nor writes the state (g = 0, beta = 0 there), so the
@@ -19,16 +19,16 @@ meaningless.
 
 Dispatch (`implementation`): None picks "pallas" on a GPU backend for bf16 inputs of supported
 shapes, else "reference"; "pallas" with `interpret=True` runs the kernels in Pallas' interpreter (CPU tests).
-The Pallas scan factors decays through reference tokens 16 tokens apart and is exact for gates
-g >= kda_intra.MIN_GATE (-5 per token, which the model's lower bound guarantees); for unbounded
-gates ask for "reference".
+The Pallas scan factors decays through 16-token sub-chunks and is exact for gates
+g >= kda_triton.MIN_GATE (about -5.5 per token, which the model's lower bound -5 guarantees); for
+unbounded gates ask for "reference".
 """
 
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
-from pallas_kernels import kda_intra, kda_triton
+from pallas_kernels import kda_triton
 
 HIGHEST = jax.lax.Precision.HIGHEST
 L2_EPS = 1e-6
@@ -240,10 +240,10 @@ def _power_of_two(n, low, high):
 
 
 def _scan_unsupported(q, v, chunk_size):
-    if chunk_size != kda_intra.CHUNK:
-        return f"chunk_size must be {kda_intra.CHUNK}, got {chunk_size}"
-    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in kda_intra.HEAD_DIMS:
-        return f"dk and dv must be equal and one of {kda_intra.HEAD_DIMS}, got {q.shape[-1]} and {v.shape[-1]}"
+    if chunk_size != kda_triton.CHUNK:
+        return f"chunk_size must be {kda_triton.CHUNK}, got {chunk_size}"
+    if not (_power_of_two(q.shape[-1], 16, 128) and _power_of_two(v.shape[-1], 16, 128)):
+        return f"dk and dv must be powers of two in [16, 128], got {q.shape[-1]} and {v.shape[-1]}"
     return None
 
 
@@ -254,20 +254,20 @@ def kda_chunk_scan(
     """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
 
     `implementation` None / "reference" / "pallas" (see the module docstring), `interpret` runs the
-    Pallas kernels in the interpreter, `config` the chain kernel's launch shape. The Pallas scan
-    multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
+    Pallas kernels in the interpreter, `config` their launch shape.
     """
     _check_inputs(q, k, v, g, beta, initial_state, lengths)
     if _pick(implementation, _scan_unsupported(q, v, chunk_size), q.dtype) == "reference":
         return kda_chunk_scan_reference(q, k, v, g, beta, initial_state, chunk_size=chunk_size, lengths=lengths)
     b, t, h, dk = q.shape
+    pad = -t % chunk_size
+    if pad:
+        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.minimum(lengths.astype(jnp.int32), t)
     if initial_state is None:
         initial_state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
-    bf16 = jnp.bfloat16
     o, state = kda_triton.chunk_scan(
-        q.astype(bf16), k.astype(bf16), v.astype(bf16), g.astype(jnp.float32), beta,
-        initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, config=config, interpret=interpret,
+        q, k, v, g, beta, initial_state.astype(jnp.float32), lengths, config=config, interpret=interpret
     )
     return o[:, :t], state
 

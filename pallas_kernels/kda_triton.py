@@ -1,25 +1,40 @@
-"""KDA kernels for NVIDIA GPUs in Pallas, Triton backend: the serial chain of the chunked prefill
-scan and the fused decode step. `kda.py` dispatches here; the parallel half of the scan is the
-Mosaic GPU kernel in `kda_intra`.
+"""KDA kernels for NVIDIA GPUs in Pallas, Triton backend: the chunked prefill scan and the fused decode step.
 
-Prefill, per head and 64-token chunk (G the running sum of the log decays inside the chunk):
-`kda_intra.intra` computes, for every chunk at once, the WY factors w and u, q_w = q exp(G) - A_qk w,
-A_qk u, k exp(G_last - G) and exp(G_last). `_chain_kernel` (serial over chunks, parallel over batch,
-head and value columns) carries the fp32 state S: v_new = u - w S, o = q_w S + A_qk u,
-S <- exp(G_last) S + (k exp(G_last - G))^T v_new (o = q exp(G) S + A_qk v_new rewritten with
-v_new = u - w S).
+Why the Triton backend: the scan needs triangular algebra, per-channel decays and cross-row
+reductions on register tiles; Triton lays those out itself. The kernels lower to Triton IR on the
+CPU too (interpret mode runs them); only the H200 compiles and times them. `kda.py` dispatches here.
 
-Precision (fp32 state): the chain's fp32 products run in tf32; S is split into two bf16 halves for
-w S (w is bf16). u, q_w, A_qk u and k exp(G_last - G) stay fp32 in HBM: in bf16 they would cost
-1e-3 to 3e-3 of relative error.
+Prefill, per head and 64-token chunk, with G the running sum of the log decays inside the chunk
+(log2 units here) and q, k L2-normalised (q also scaled by dk^-0.5):
+- `_intra_kernel` (parallel over every chunk), in 16-token blocks: the ten blocks on or below the
+  diagonal of A_kk = strict_tril(beta k . k decayed) and A_qk = tril(q . k decayed), each a
+  [16, d] x [d, 16] product; T = (I + A_kk)^-1 block by block; the WY factors w = T (beta k 2^G),
+  u = T (beta v); and, so that A_qk never enters the serial loop, q_w = q 2^G - A_qk w and A_qk u.
+  Also k 2^(G_last - G) and 2^G_last.
+- `_chain_kernel` (serial over chunks, parallel over batch, head and value columns): with the fp32
+  state S, v_new = u - w S, o = q_w S + A_qk u, S <- 2^G_last S + (k 2^(G_last - G))^T v_new
+  (o = q 2^G S + A_qk v_new rewritten with v_new = u - w S).
 
-Speed (bench/RESULTS.md): Nsight Compute on the H200 found the chain at 255 registers per thread,
-spilling (856k local-memory requests), its pipelined loads taking 127 KB of shared memory, one
-program per SM.
+Decays factor through the end of each key's 16-token block J: key factor 2^(G_J,end - G_j) <= 1,
+query factor 2^(G_i - G_J,end) <= 1 for rows past J and at most 2^(15 |g| log2 e) inside J. That is
+exact while every per-token gate g >= MIN_GATE (about -5.5; the model's lower bound is -5).
+
+Precision (bf16 inputs, fp32 state): products of fp32 operands run in tf32; along the chain S is
+split into two bf16 halves for w S (w is stored in bf16). Measured on the H200 against the fp32
+reference: state error 6e-4, outputs 3e-3 against a bf16 rounding floor of 2.6e-3; fla and jla are
+at 6e-3 to 7e-3 on the same inputs. u, q_w, A_qk u and k 2^(G_last - G) stay fp32 in HBM: in bf16
+they would cost 1e-3 to 3e-3 of relative error.
+
+Speed (bench/RESULTS.md): about 3x slower than fla's chunk_kda. Nsight Compute on the H200: both
+scan kernels use 255 registers per thread; the intra kernel runs at 12.5% occupancy (two programs
+per SM) and its time did not move when the block inverse or the running sums were left out (2.7 ms
+at (1, 16384, 16) either way); the chain spills (856k local-memory requests) and its pipelined loads
+take 127 KB of shared memory, one program per SM.
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +42,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import kda_intra
-
-CHUNK = kda_intra.CHUNK
-L2_EPS = kda_intra.L2_EPS
+CHUNK = 64
+SUB_CHUNK = 16
+N_SUB = CHUNK // SUB_CHUNK
+LOG2E = math.log2(math.e)
+L2_EPS = 1e-6
+# 2^120 * 128 channels stays finite in fp32; exact inside a sub-chunk while 15 * |g| * log2 e <= 120.
+MAX_EXP2 = 120.0
+MIN_GATE = -MAX_EXP2 / (SUB_CHUNK - 1) / LOG2E
 
 
 @dataclasses.dataclass(frozen=True)
 class ScanConfig:
-    """Launch shape of the chain kernel (benchmarked in bench/kda.py)."""
+    """Launch shape of the prefill kernels (benchmarked in bench/kda.py)."""
 
     block_v: int = 32  # value columns of the state per chain program
+    intra_warps: int = 4
     chain_warps: int = 4
     chain_stages: int = 3  # loads of the next chunks in flight (H200: 3 beat 2 by 3-4%)
 
@@ -53,6 +73,96 @@ def _split_dot(a_bf16, s):
     hi = s.astype(jnp.bfloat16)
     lo = (s - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     return _dot(a_bf16, hi) + _dot(a_bf16, lo)
+
+
+def _unit_lower_inverse(blocks):
+    """T = (I + A)^-1 for strictly lower A given as 16x16 blocks {(i, j): A_ij, i >= j}: the diagonal
+    blocks by doubling ((I + N)(I + N^2)(I + N^4)(I + N^8) with N = -A_ii, N^16 = 0), then block rows
+    top-down, T_ij = -T_ii sum_{j <= m < i} A_im T_mj."""
+    t = {}
+    for i in range(N_SUB):
+        power = -blocks[i, i]
+        inv = jnp.eye(SUB_CHUNK, dtype=jnp.float32) + power
+        for _ in range(int(math.log2(SUB_CHUNK)) - 1):
+            power = _dot(power, power)
+            inv = inv + _dot(inv, power)
+        t[i, i] = inv
+    for i in range(1, N_SUB):
+        for j in range(i):
+            acc = sum(_dot(blocks[i, m], t[m, j]) for m in range(j, i))
+            t[i, j] = -_dot(t[i, i], acc)
+    return t
+
+
+def _intra_kernel(lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qw_ref, ou_ref, kd_ref, decay_ref):
+    """One chunk of one head, in 16-token sub-chunks (blocks I, J below; rows i, j).
+
+    Decays factor through the end of the key's sub-chunk J: key factor 2^(G_Jend - G_j) <= 1, query
+    factor 2^(G_i - G_Jend) <= 1 for i past J and at most 2^(15 |g| log2 e) inside J. Products are
+    [16, d] x [d, 16] blocks, only the ten on or below the diagonal."""
+    n, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dk = q_ref.shape[-1]
+    length = lengths_ref[b]
+    sub_row = lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, SUB_CHUNK), 0)
+    sub_col = lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, SUB_CHUNK), 1)
+
+    def rows(i):
+        return pl.ds(n * CHUNK + i * SUB_CHUNK, SUB_CHUNK)
+
+    def load(ref, i):
+        # Tokens past the sequence's length neither decay nor write the state: g = 0, beta = 0.
+        valid = n * CHUNK + i * SUB_CHUNK + lax.broadcasted_iota(jnp.int32, (SUB_CHUNK, 1), 0) < length
+        x = ref[b, rows(i), h][:, None] if ref.ndim == 3 else ref[b, rows(i), h, :]
+        return jnp.where(valid, x.astype(jnp.float32), 0.0)
+
+    def sub_chunk(i, start):
+        """Normalised q and k, beta [16, 1] and the running log2 decay G of sub-chunk i (G = start
+        before it), with G at its last token."""
+        q, k = load(q_ref, i), load(k_ref, i)
+        q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS))
+        k = k / jnp.sqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
+        g = load(g_ref, i) * LOG2E
+        return q, k, load(beta_ref, i), start[None, :] + jnp.cumsum(g, axis=0), start + jnp.sum(g, axis=0)
+
+    # Scores: A_kk strictly lower (beta_i k_i . k_j decayed), A_qk lower (q_i . k_j decayed).
+    ends, keys, a_kk, a_qk = [], [], {}, {}
+    end = jnp.zeros((dk,), jnp.float32)
+    for i in range(N_SUB):
+        q, k, beta, cum, end = sub_chunk(i, end)
+        ends.append(end)
+        keys.append(k * jnp.exp2(end[None, :] - cum))
+        for j in range(i + 1):
+            to_end = jnp.exp2(jnp.minimum(cum - ends[j][None, :], MAX_EXP2))
+            kk = beta * _dot(k * to_end, keys[j], trans_b=True)
+            qk = _dot(q * to_end, keys[j], trans_b=True)
+            a_kk[i, j] = jnp.where(sub_col < sub_row, kk, 0.0) if i == j else kk
+            a_qk[i, j] = jnp.where(sub_col <= sub_row, qk, 0.0) if i == j else qk
+    t = _unit_lower_inverse(a_kk)
+    last = ends[-1]
+    decay_ref[b, h, n, :] = jnp.exp2(last)
+
+    # w = T (beta k 2^G); q_w = q 2^G - A_qk w (so that the chain's o = q_w S + A_qk u); k 2^(G_last - G).
+    # The sub-chunks are loaded and normalised again rather than kept: the kernel is short of registers.
+    w, end = [None] * N_SUB, jnp.zeros((dk,), jnp.float32)
+    for j in range(N_SUB):
+        q, k, beta, cum, end = sub_chunk(j, end)
+        x = k * beta * jnp.exp2(cum)
+        for i in range(j, N_SUB):
+            part = _dot(t[i, j], x)
+            w[i] = part if w[i] is None else w[i] + part
+        w_ref[b, h, rows(j), :] = w[j].astype(w_ref.dtype)
+        qw_ref[b, h, rows(j), :] = q * jnp.exp2(cum) - sum(_dot(a_qk[j, m], w[m]) for m in range(j + 1))
+        kd_ref[b, h, rows(j), :] = k * jnp.exp2(last[None, :] - cum)
+
+    # u = T (beta v); A_qk u.
+    u = [None] * N_SUB
+    for j in range(N_SUB):
+        y = load(v_ref, j) * load(beta_ref, j)
+        for i in range(j, N_SUB):
+            part = _dot(t[i, j], y)
+            u[i] = part if u[i] is None else u[i] + part
+        u_ref[b, h, rows(j), :] = u[j]
+        ou_ref[b, h, rows(j), :] = sum(_dot(a_qk[j, m], u[m]) for m in range(j + 1))
 
 
 def _chain_kernel(w_ref, u_ref, qw_ref, ou_ref, kd_ref, decay_ref, s0_ref, o_ref, s_ref, *, n_chunks, block_v):
@@ -72,25 +182,43 @@ def _chain_kernel(w_ref, u_ref, qw_ref, ou_ref, kd_ref, decay_ref, s0_ref, o_ref
     s_ref[b, h, :, cols] = lax.fori_loop(0, n_chunks, step, s0_ref[b, h, :, cols])
 
 
-def chunk_scan(q, k, v, g, beta, initial_state, lengths, *, out_dtype=jnp.bfloat16, config=ScanConfig(), interpret=False):
-    """The chunked KDA scan on the GPU: `kda_intra.intra` (Mosaic GPU), then the serial chain here.
-    q, k, v [B, T, H, d] bf16 (d in kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H],
-    `initial_state` fp32 [B, H, d, d] (zeros allowed), `lengths` int32 [B]. Returns o [B, T', H, d]
-    in `out_dtype` (T' = T rounded up to whole chunks; rows past T are meaningless) and the final state."""
+def intra(q, k, v, g, beta, lengths, *, config=ScanConfig(), interpret=False):
+    """The parallel half of the scan, per chunk: w (bf16), u, q_w, A_qk u, k 2^(G_last - G), 2^G_last."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    f32 = jnp.float32
+    return pl.pallas_call(
+        _intra_kernel,
+        grid=(t // CHUNK, h, b),
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, t, dk), jnp.bfloat16),  # w
+            jax.ShapeDtypeStruct((b, h, t, dv), f32),  # u
+            jax.ShapeDtypeStruct((b, h, t, dk), f32),  # q_w
+            jax.ShapeDtypeStruct((b, h, t, dv), f32),  # A_qk u
+            jax.ShapeDtypeStruct((b, h, t, dk), f32),  # k 2^(G_last - G)
+            jax.ShapeDtypeStruct((b, h, t // CHUNK, dk), f32),  # 2^G_last
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=config.intra_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_intra",
+    )(lengths, q, k, v, g, beta)
+
+
+def chunk_scan(q, k, v, g, beta, initial_state, lengths, *, config=ScanConfig(), interpret=False):
+    """The chunked KDA scan on the GPU. Shapes as `kda.kda_chunk_scan`; `initial_state` fp32
+    [B, H, dk, dv] (zeros allowed), `lengths` int32 [B]; T a multiple of CHUNK (callers pad)."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     block_v = min(config.block_v, dv)
-    parts = kda_intra.intra(q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(jnp.float32), lengths, interpret=interpret)
-    padded = parts[0].shape[2]
     chain = pl.pallas_call(
-        functools.partial(_chain_kernel, n_chunks=padded // CHUNK, block_v=block_v),
+        functools.partial(_chain_kernel, n_chunks=t // CHUNK, block_v=block_v),
         grid=(dv // block_v, h, b),
-        out_shape=[jax.ShapeDtypeStruct((b, padded, h, dv), out_dtype), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=config.chain_warps, num_stages=config.chain_stages),
         interpret=interpret,
         name="kda_chain",
     )
-    return chain(*parts, initial_state)
+    return chain(*intra(q, k, v, g, beta, lengths, config=config, interpret=interpret), initial_state)
 
 
 def _decode_kernel(
