@@ -8,15 +8,13 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 import kda as bench
 from pallas_kernels import kda_triton
 
 
-def _bf16_dot(a, b, *, trans_a=False, trans_b=False):
-    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-    return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims, preferred_element_type=jnp.float32)
+def _bf16_dot(a, b, *, dot=kda_triton._dot, **transposes):
+    return dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), **transposes)
 
 
 def time_parts(shape, cfg, label, interpret=False):

@@ -81,7 +81,8 @@ def forward(params, config: Config, input_ids, attention_mask=None, *, implement
 
 def check_token_batch(input_ids, attention_mask, vocab_size):
     """Integer ids [B, T] (T >= 1) in [0, vocab_size) and an optional 0/1 mask of the same shape."""
-    shape, dtype = np.shape(input_ids), getattr(input_ids, "dtype", np.asarray(input_ids).dtype)
+    shape = np.shape(input_ids)
+    dtype = input_ids.dtype if hasattr(input_ids, "dtype") else np.asarray(input_ids).dtype  # a tracer has one; lists need numpy
     if len(shape) != 2 or not np.issubdtype(dtype, np.integer):
         raise ValueError(f"input_ids must be an integer array [B, T], got {dtype} {shape}")
     if shape[1] == 0:

@@ -210,3 +210,16 @@ def test_bad_token_batches_are_rejected(model, entry):
     ):
         with pytest.raises(ValueError, match=message):
             call(bad_ids, mask)
+
+
+def test_token_batch_checks_take_traced_arrays():
+    """forward under a caller's jax.jit: the shape and dtype checks still run, the value checks wait."""
+    from glm5next_jax.model import check_token_batch
+
+    ids, mask = np.ones((2, 3), np.int32), np.ones((2, 3), np.int32)
+    checked = jax.jit(lambda i, m: (check_token_batch(i, m, 10), i)[1])
+    np.testing.assert_array_equal(checked(ids, mask), ids)
+    with pytest.raises(ValueError, match="integer array"):
+        checked(ids.astype(np.float32), mask)
+    with pytest.raises(ValueError, match="must match"):
+        checked(ids, mask[:, :2])

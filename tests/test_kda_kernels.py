@@ -80,6 +80,7 @@ def test_lengths_in_the_reference_stop_each_sequence_at_its_own_end():
     assert relative_error(o[1, :37], o_short[0]) < 1e-5 and relative_error(s[1], s_short[0]) < 1e-5
     o_rec, s_rec = kda.kda_recurrent_reference(q, k, v, g, beta, lengths=lengths)
     assert relative_error(s_rec, s) < 1e-5
+    assert relative_error(o_rec[0], o[0]) < 1e-5 and relative_error(o_rec[1, :37], o[1, :37]) < 1e-5
 
 
 def test_chunk_scan_bf16_arrays():
