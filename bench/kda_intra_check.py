@@ -4,8 +4,10 @@ difference shows where it is; then the whole scan (intra and chain) against the 
 The interpreter runs on the CPU: on the GPU backend XLA's excess precision drops the bf16 rounding
 that splits an fp32 operand into halves (the lo halves come out zero).
 
-    PYTHONPATH=$PWD python3 bench/kda_intra_check.py
+    PYTHONPATH=$PWD python3 bench/kda_intra_check.py [--cases "B,T,H,D;..."]
 """
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,10 @@ def inputs(b, t, h, d, seed=0):
 
 
 def main():
-    for case in CASES:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=";".join(",".join(map(str, case)) for case in CASES))
+    cases = [tuple(int(x) for x in case.split(",")) for case in parser.parse_args().cases.split(";")]
+    for case in cases:
         args = inputs(*case)
         valid = np.arange(-(-case[1] // 64) * 64)[None, :] < np.asarray(args[-1])[:, None]  # [B, T']
         got = jax.jit(kda_intra.intra)(*args)
