@@ -3,8 +3,10 @@ and the dispatch's argument checks.
 
 Inputs are bf16 values; the chunked scan is compared in fp32 (inputs upcast) so that the error is
 the kernel's, not the rounding of a bf16 output (one bf16 ulp at the largest output is up to 7.8e-3
-of it); one test runs the real bf16 path. On the CPU the kernels' tf32 dots run in fp32; the GPU
-numbers are in bench/RESULTS.md.
+of it); one test runs the real bf16 path. The interpreter computes the same bf16 products as the
+GPU (fp32 operands as bf16 hi + lo halves); tests/test_kda_lowering.py lowers the kernels for the
+GPU, and bench/kda_intra_check.py compares the compiled kernels with the interpreter on the H200
+(bench/RESULTS.md).
 """
 
 import jax
