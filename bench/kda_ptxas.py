@@ -60,7 +60,8 @@ def lowered_kernels(decode_block_v):
         jnp.zeros((b, c), jnp.bfloat16), jnp.zeros((c,)), jnp.zeros((h,)), jnp.zeros((b, h), jnp.bfloat16),
         jnp.zeros((b, h, d, d)),
     ).lower(lowering_platforms=("cuda",))
-    return dict(zip(("kda_decode_step",), modules))
+    (module,) = modules
+    return {"kda_decode_step": module}
 
 
 def main():

@@ -31,7 +31,7 @@ from jax.scipy.linalg import solve_triangular
 from pallas_kernels import kda_chain, kda_intra, kda_triton
 
 HIGHEST = jax.lax.Precision.HIGHEST
-L2_EPS = 1e-6
+L2_EPS = kda_intra.L2_EPS  # the model's L2-norm epsilon: one value for the references and the kernels
 
 
 def causal_short_conv(x, weight, conv_state=None):

@@ -11,8 +11,6 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import kda_intra
 
-L2_EPS = kda_intra.L2_EPS
-
 
 def _decode_kernel(
     qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref, s_ref,
@@ -47,8 +45,8 @@ def _decode_kernel(
         conv_silu(1, heads_k, True)
 
     v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v), True).astype(qkv_ref.dtype).astype(jnp.float32)
-    q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q) + L2_EPS))
-    k = k / jnp.sqrt(jnp.sum(k * k) + L2_EPS)
+    q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q) + kda_intra.L2_EPS))
+    k = k / jnp.sqrt(jnp.sum(k * k) + kda_intra.L2_EPS)
 
     f = f_ref[b, heads_k].astype(jnp.float32) + dt_bias_ref[heads_k].astype(jnp.float32)
     rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
