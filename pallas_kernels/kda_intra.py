@@ -314,5 +314,8 @@ def chunk_cumsum(g, lengths, padded):
     tokens at or past a sequence's length do not decay."""
     b, t, h, dk = g.shape
     g = jnp.where((jnp.arange(t) < lengths[:, None])[:, :, None, None], g.astype(_F32), 0.0)
-    g = jnp.pad(g, [(0, 0), (0, padded - t), (0, 0), (0, 0)])
-    return jnp.cumsum(g.reshape(b, padded // CHUNK, CHUNK, h, dk), axis=2).reshape(b, padded, h, dk)
+    g = jnp.pad(g, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // CHUNK, CHUNK, h * dk)
+    # A product with tril(ones) rather than jnp.cumsum, which XLA lowers to a 64-token reduce-window
+    # (each G reading up to 64 g's).
+    ones = jnp.tril(jnp.ones((CHUNK, CHUNK), _F32))
+    return jnp.einsum("ij,bnjx->bnix", ones, g, precision=lax.Precision.HIGHEST).reshape(b, padded, h, dk)
