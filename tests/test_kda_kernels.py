@@ -68,6 +68,19 @@ def test_chunk_scan_head_dim_128_random_gates():
     assert_scan_matches(scan_inputs(2, 1, 100, 2, 128))
 
 
+@pytest.mark.parametrize("keys", ["repeated", "correlated"])
+def test_chunk_scan_dense_within_a_chunk(keys):
+    """No decay to speak of, beta = 1 and keys alike (a repeated token): A_kk is dense and its Neumann
+    terms reach C(62, 31); the kernel's inverse must not go through them (the doubling one did: inf)."""
+    q, k, v, g, beta = scan_inputs(8, 1, 130, 2, 64)
+    if keys == "repeated":
+        k, g = jnp.broadcast_to(k[:, :1], k.shape), jnp.zeros_like(g)
+    else:
+        (k,) = bf16_valued(k + 3.0 * jax.random.normal(jax.random.key(8), (1, 1, 1, 64)))
+        g = 0.01 * g
+    assert_scan_matches((q, k, v, g, jnp.ones_like(beta)), jax.random.normal(jax.random.key(8), (1, 2, 64, 64)))
+
+
 def test_chunk_scan_head_dim_64_two_chunks_exactly():
     assert_scan_matches(scan_inputs(9, 2, 128, 1, 64), jax.random.normal(jax.random.key(9), (2, 1, 64, 64)))
 
