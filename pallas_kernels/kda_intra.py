@@ -12,7 +12,9 @@ every 8th token for the reference tokens below). The kernel computes:
   subnormal and cost 7e-3 at gates of -5), or the boundary between a block of queries and the
   earlier keys (both factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound).
   Three passes, one per choice of reference tokens;
-- T = (I + A_kk)^-1 by doubling, (I + N)(I + N^2)(I + N^4)...(I + N^32) with N = -A_kk;
+- T = (I + A_kk)^-1 by block forward substitution, merging diagonal blocks of 1, 2, 4, ... 32 rows
+  (stable where a Neumann series is not: a dense A_kk, from slow decay and similar keys, gives
+  Neumann terms like C(62, 31));
 - the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
   u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
   o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last). q_w and k exp(G_last - G) leave as bf16
@@ -20,7 +22,7 @@ every 8th token for the reference tokens below). The kernel computes:
 
 Every wgmma takes its left operand from SMEM: register operands are staged there first (see
 `_matmul`). Every tile load is free of bank conflicts (`optimized=True`). SMEM: 202 KB at dk = 128
-(ncu), one CTA per SM; 255 registers. The repeated stages (score passes, doubling steps) are loops:
+(ncu), one CTA per SM; 255 registers. The repeated stages (score passes, merge steps) are loops:
 unrolled, the code outgrew the instruction cache and most cycles went to instruction fetch.
 
 Precision: the tensor cores multiply bf16; fp32 operands are carried as two bf16 halves (hi + lo,
@@ -127,8 +129,9 @@ def _unit_lower_inverse(a, halves):
     """(I + A)^-1 for strictly lower fp32 [C, C] A by block forward substitution: starting from blocks
     of one row, merge neighbouring diagonal blocks, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]],
     for all blocks at once as T <- T - T (L T), L = A on the merged blocks' lower-left quadrants.
-    Every product is of two parts of the inverse itself, so nothing grows: a Neumann series (doubling)
-    has terms like C(62, 31) a^32 when A is dense (slow decay, similar keys) and cancelled to inf - inf.
+    The factors are entries of A and of the inverse itself, so nothing grows past the inverse's own
+    size; a Neumann series (the doubling this replaced) has terms like C(62, 31) a^32 when A is dense
+    (slow decay, similar keys), which cancelled to inf - inf.
     A loop, not unrolled: the kernel's straight-line code outgrew the instruction cache (most stalls on
     the H200 were fetches)."""
     shape = a.shape
