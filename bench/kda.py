@@ -97,13 +97,16 @@ def to_jax(q, k, v, g, beta):
 
 
 def check_small():
-    """Ragged lengths, initial state, gates at the lower bound, T not a multiple of 64."""
+    """Ragged lengths, initial state, gates at the lower bound, T not a multiple of 64, and a dense
+    A_kk (one repeated key, no decay, beta = 1: where the old doubling inverse overflowed)."""
     log("\n== small parity checks on the GPU (ours vs reference)")
-    cases = [(3, 200, 4, 128, "random"), (2, 130, 2, 64, "lower_bound"), (1, 1, 1, 128, "random")]
-    for b, t, h, d, gate in cases[1:2] if INTERPRET else cases:
+    cases = [(3, 200, 4, 128, "random"), (2, 130, 2, 64, "lower_bound"), (1, 1, 1, 128, "random"), (1, 130, 2, 128, "dense")]
+    for b, t, h, d, gate in [cases[1], cases[3]] if INTERPRET else cases:
         q, k, v, g, beta = prefill_inputs(b, t, h, d, seed=t)
         if gate == "lower_bound":
             g = np.full_like(g, -5.0)
+        if gate == "dense":
+            k, g, beta = np.broadcast_to(k[:, :1], k.shape), np.zeros_like(g), np.ones_like(beta)
         q, k, v, g, beta = to_jax(q, k, v, g, beta)
         f32 = [x.astype(jnp.float32) for x in (q, k, v, beta)]
         s0 = jax.random.normal(jax.random.key(t), (b, h, d, d))
