@@ -290,6 +290,8 @@ def main():
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,prefill,decode")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny shapes, Pallas interpreter")
     parser.add_argument("--no-peers", action="store_true", help="time our kernels only")
+    parser.add_argument("--decode-variants", default=",".join(f"{v}x{w}" for v, w in DECODE_VARIANTS),
+                        help="decode launch shapes, value columns x warps")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     global INTERPRET, PREFILL_SHAPES, DECODE_BATCHES, PEERS
@@ -301,7 +303,7 @@ def main():
     if "check" not in skip:
         check_small()
     if "decode" not in skip:
-        bench_decode(hbm)
+        bench_decode(hbm, [tuple(int(x) for x in shape.split("x")) for shape in args.decode_variants.split(",")])
     if "prefill" not in skip:
         bench_prefill({name: CONFIGS[name] for name in args.configs.split(",")})
     log("\n| section | implementation | shape | error | ms | note |\n| --- | --- | --- | --- | --- | --- |")
