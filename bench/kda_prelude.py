@@ -14,10 +14,8 @@ from pallas_kernels import kda_intra
 
 
 def cumsum_by_reduce_window(g, lengths, padded):
-    b, t, h, dk = g.shape
-    g = jnp.where((jnp.arange(t) < lengths[:, None])[:, :, None, None], g, 0.0)
-    g = jnp.pad(g, [(0, 0), (0, padded - t), (0, 0), (0, 0)])
-    return jnp.cumsum(g.reshape(b, padded // kda_intra.CHUNK, kda_intra.CHUNK, h, dk), axis=2).reshape(g.shape)
+    by_chunk = jnp.cumsum(kda_intra.gates_by_chunk(g, lengths, padded), axis=2)
+    return by_chunk.reshape(g.shape[0], padded, *g.shape[2:])
 
 
 def whole_prelude(g, lengths, padded):
