@@ -16,7 +16,9 @@ def _decode_kernel(
     qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref, s_ref,
     o_ref, conv_out_ref, s_out_ref, *, lower_bound, block_v,
 ):
-    b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # The value block varies fastest in launch order, then the head: CTAs resident together stream
+    # one contiguous stretch of the state rather than the same slab of 64+ different sequences.
+    vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dk = s_ref.shape[2]
     kernel = weight_ref.shape[0]
     heads_k = pl.ds(h * dk, dk)
@@ -78,7 +80,7 @@ def decode_step(
     block_v = min(block_v, dv)
     kernel = pl.pallas_call(
         functools.partial(_decode_kernel, lower_bound=lower_bound, block_v=block_v),
-        grid=(b, h, dv // block_v),
+        grid=(dv // block_v, h, b),
         out_shape=[
             jax.ShapeDtypeStruct((b, h, dv), qkv.dtype),
             jax.ShapeDtypeStruct(conv_state.shape, qkv.dtype),
