@@ -7,9 +7,10 @@ state-bytes roofline and fla's `fused_recurrent_kda_fwd` (core update only, as p
 
 Errors are max|d| / max|ref| against the reference on the same bf16 inputs (the reference in fp32,
 HIGHEST precision). Times are medians: ours and jla as the mean of 10 calls chained in one jitted
-loop (so that JAX's dispatch is not timed), fla with triton.testing.do_bench. Our decode step is
-timed as 20 calls unrolled in one jit (`chain_ms`; the loop's time is printed beside it): at
-0.2 ms a step, the host round trip of XLA's while loop would be 6-10% of it.
+loop (so that JAX's dispatch is not timed), fla's prefill with triton.testing.do_bench. Decode steps
+are timed back to back, as a decoder runs them: ours as 20 calls unrolled in one jit (`chain_ms`;
+the fori_loop's time is printed beside it: at 0.2 ms a step, the host round trip of XLA's while loop
+would be 6-10% of it), fla's as 20 calls in one CUDA graph (`torch_chain_ms`; do_bench beside it).
 
 On the GPU machine, from the repository root, with the peers' wheels in .peers/:
     python3 -m pip install -q --no-index --no-deps --target .peers-site .peers/*.whl
@@ -273,29 +274,60 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
             fn = lambda: fused_recurrent_kda_fwd(  # noqa: E731
                 q, k, v, gg, beta, initial_state=h0, output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=True
             )
-            ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+            per_call = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+            ms = torch_chain_ms(fn)
             roof = 2 * b * h * d * d * 4 / hbm * 1e3
-            log(f"fla fused_recurrent_kda_fwd B={b}: {ms:.4f} ms  ({roof / ms * 100:.0f}% of roofline)")
-            ROWS.append(("decode", "fla fused_recurrent_kda_fwd (core only)", f"B={b}", float("nan"), ms, f"{roof / ms * 100:.0f}%"))
+            log(f"fla fused_recurrent_kda_fwd B={b}: {ms:.4f} ms in a chain of 20 ({roof / ms * 100:.0f}% of roofline);"
+                f" {per_call:.4f} ms one call at a time (do_bench)")
+            ROWS.append(("decode", "fla fused_recurrent_kda_fwd (core only)", f"B={b}", float("nan"), ms,
+                         f"{roof / ms * 100:.0f}%; {per_call:.4f} ms by do_bench"))
     except Exception:
         traceback.print_exc()
+
+
+def torch_chain_ms(fn, n=20, reps=7):
+    """Per-call time of n calls of `fn` captured back to back in one CUDA graph: the same measure as
+    `chain_ms` for ours (do_bench times one call at a time, after flushing the L2, so the writes
+    a call leaves in the L2 drain outside its timing, which a step after step decode does not get)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n * 1e3
 
 
 HBM = 4.3e12  # bytes/s, read + write, measured on this machine (KINDS.md): the roofline's bandwidth
 
 
 def main():
+    global INTERPRET, PREFILL_SHAPES, DECODE_BATCHES, PEERS
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default="default", help="scan configs to time, among: " + ",".join(CONFIGS))
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,prefill,decode")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny shapes, Pallas interpreter")
     parser.add_argument("--no-peers", action="store_true", help="time our kernels only")
+    parser.add_argument("--prefill-shapes", default=";".join(",".join(map(str, x[:3])) for x in PREFILL_SHAPES),
+                        help="B,T,H;B,T,H;... at D = 128")
     parser.add_argument("--decode-variants", default=",".join(f"{v}x{w}" for v, w in DECODE_VARIANTS),
                         help="decode launch shapes, value columns x warps")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
-    global INTERPRET, PREFILL_SHAPES, DECODE_BATCHES, PEERS
     PEERS = not args.no_peers
+    PREFILL_SHAPES = [(*map(int, shape.split(",")), 128) for shape in args.prefill_shapes.split(";")]
     if args.interpret:
         INTERPRET, PREFILL_SHAPES, DECODE_BATCHES = True, [(1, 128, 2, 32)], [2]
     log("jax", jax.__version__, jax.devices())
