@@ -305,8 +305,8 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
 
 def torch_chain_ms(fn, n=20, reps=7):
     """Per-call time of n calls of `fn` captured back to back in one CUDA graph: the same measure as
-    `chain_ms` for ours (do_bench times one call at a time, after flushing the L2, so the writes
-    a call leaves in the L2 drain outside its timing, which a step after step decode does not get)."""
+    `chain_ms` for ours, the steady state of a decoder's step after step (do_bench times one call
+    at a time, each after flushing the L2)."""
     import torch
 
     stream = torch.cuda.Stream()
