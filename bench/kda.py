@@ -53,16 +53,22 @@ def relative_error(got, want):
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def loop_ms(step, carry, n=10, reps=5):
-    """Per-call time of `step`, run n times in one jitted fori_loop (dispatch amortised)."""
-    loop = jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c))
-    jax.block_until_ready(loop(carry))
+def per_call_ms(run, n, reps):
+    """Median wall time of `run()` (n calls, finished when it returns) over `reps` runs, per call in
+    ms; one run first to compile and warm up."""
+    run()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(carry))
+        run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / n * 1e3
+
+
+def loop_ms(step, carry, n=10, reps=5):
+    """Per-call time of `step`, run n times in one jitted fori_loop (dispatch amortised)."""
+    loop = jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c))
+    return per_call_ms(lambda: jax.block_until_ready(loop(carry)), n, reps)
 
 
 def dispatched_ms(fn, *args, n=20, reps=5):
@@ -71,15 +77,13 @@ def dispatched_ms(fn, *args, n=20, reps=5):
     hidden behind calls of a millisecond or more). Each call computes everything from its inputs;
     in `loop_ms`'s fori_loop XLA may hoist whatever depends only on loop-invariant inputs (for a
     scan timed with only beta varying: the gates' cumsum)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+
+    def run():  # only the last call's outputs are kept alive, as a caller's loop would
         for _ in range(n):
             out = fn(*args)
         jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n * 1e3
+
+    return per_call_ms(run, n, reps)
 
 
 def chain_ms(call, carry, n=20, reps=7):
@@ -93,13 +97,12 @@ def chain_ms(call, carry, n=20, reps=7):
         return carry
 
     run = jax.jit(chain, donate_argnums=0)
-    carry = jax.block_until_ready(run(carry))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(run(carry))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n * 1e3
+    state = [carry]
+
+    def run_chain():
+        state[0] = jax.block_until_ready(run(state[0]))
+
+    return per_call_ms(run_chain, n, reps)
 
 
 def prefill_inputs(b, t, h, d, seed=0):
@@ -317,15 +320,12 @@ def torch_chain_ms(fn, n=20, reps=7):
     with torch.cuda.graph(graph):
         for _ in range(n):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+
+    def replay():
         graph.replay()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n * 1e3
+
+    return per_call_ms(replay, n, reps)
 
 
 HBM = 4.3e12  # bytes/s, read + write, measured on this machine (KINDS.md): the roofline's bandwidth

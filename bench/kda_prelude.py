@@ -1,6 +1,6 @@
 """The XLA work around the intra kernel at the three prefill shapes: G (the chunk-local running sum
 of g) by jnp.cumsum (a reduce-window in XLA) and by a product with tril(ones) (`kda_intra.chunk_cumsum`),
-and all of it (G, G at every 8th token, exp(G_last), beta's mask). Median ms of 10 calls in one
+and all of it (`kda_intra.gate_sums`: G, G at every 8th token, exp(G_last)). Median ms of 10 calls in one
 jitted loop, and GB/s of the bytes each must move (g read, G written).
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_prelude.py
@@ -18,12 +18,6 @@ def cumsum_by_reduce_window(g, lengths, padded):
     return by_chunk.reshape(g.shape[0], padded, *g.shape[2:])
 
 
-def whole_prelude(g, lengths, padded):
-    cum = kda_intra.chunk_cumsum(g, lengths, padded)
-    c = kda_intra.CHUNK
-    return cum, cum[:, 7::8], jnp.exp(jnp.swapaxes(cum[:, c - 1 :: c], 1, 2))
-
-
 def main():
     bench.log("| (B, T, H), D = 128 | cumsum (reduce-window) ms | tril product ms | whole prelude ms | GB moved (g in, G out) |")
     bench.log("| --- | --- | --- | --- | --- |")
@@ -31,7 +25,7 @@ def main():
         g = jnp.asarray(bench.prefill_inputs(b, t, h, d)[3])
         lengths = jnp.full((b,), t, jnp.int32)
         times = []
-        for fn in (cumsum_by_reduce_window, kda_intra.chunk_cumsum, whole_prelude):
+        for fn in (cumsum_by_reduce_window, kda_intra.chunk_cumsum, kda_intra.gate_sums):
             def step(c, fn=fn):
                 out = jax.tree.leaves(fn(g + c, lengths, -(-t // kda_intra.CHUNK) * kda_intra.CHUNK))
                 return c + sum(x.reshape(-1)[0] for x in out) * 0

@@ -278,9 +278,7 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
     n_chunks = -(-t // c)
     padded = n_chunks * c
     beta = jnp.where(jnp.arange(t) < lengths[:, None, None], beta, 0.0)  # past a sequence's end: no writes
-    cum = chunk_cumsum(g, lengths, padded)
-    marks = cum[:, _MARKS - 1 :: _MARKS]  # [B, T' / 8, H, dk]
-    decay = jnp.exp(jnp.swapaxes(cum[:, c - 1 :: c], 1, 2))  # exp(G_last) [B, H, T' / 64, dk]
+    cum, marks, decay = gate_sums(g, lengths, padded)
     if t % 8:  # TMA needs whole 8-row tiles and 16-byte strides in HBM; the rows past T read as zeros anyway
         q, k, v = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v))
         beta = jnp.pad(beta, [(0, 0), (0, 0), (0, -t % 8)])
@@ -321,6 +319,13 @@ def gates_by_chunk(g, lengths, padded):
     b, t, h, dk = g.shape
     g = jnp.where((jnp.arange(t) < lengths[:, None])[:, :, None, None], g.astype(_F32), 0.0)
     return jnp.pad(g, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // CHUNK, CHUNK, h * dk)
+
+
+def gate_sums(g, lengths, padded):
+    """XLA's part of the scan before the intra kernel: G (`chunk_cumsum`), G at every 8th token
+    [B, T' / 8, H, dk] (the scores' reference tokens) and exp(G_last) [B, H, T' / 64, dk]."""
+    cum = chunk_cumsum(g, lengths, padded)
+    return cum, cum[:, _MARKS - 1 :: _MARKS], jnp.exp(jnp.swapaxes(cum[:, CHUNK - 1 :: CHUNK], 1, 2))
 
 
 def chunk_cumsum(g, lengths, padded):
