@@ -195,9 +195,9 @@ def split_timing(q, k, v, g, beta, shape):
     b, t, h, d = q.shape
     try:
         ms = intra_ms(q, k, v, g, beta, INTERPRET)
-        # XLA's chunk_cumsum reads g and writes G (fp32); the kernel reads q, k, v (bf16), G, G at every
-        # 8th token, beta and writes w (bf16), u, A_qk u (fp32), q_w and k exp(G_last - G) (bf16 halves)
-        byts = b * t * h * (2 * 4 * d + 3 * 2 * d + 4 * d + 4 * d // 8 + 4 + 2 * d + 4 * 4 * d)
+        # XLA's chunk_cumsum reads g and writes G (fp32); the kernel reads q (twice), k, v (bf16), G, G at
+        # every 8th token, beta and writes w (bf16), u, A_qk u, q_w and k exp(G_last - G) (bf16 halves)
+        byts = b * t * h * (2 * 4 * d + 4 * 2 * d + 4 * d + 4 * d // 8 + 4 + 2 * d + 4 * 4 * d)
         log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e6:.0f} GB/s of its {byts / 1e9:.2f} GB)")
         ROWS.append(("prefill", "  ours: intra kernel alone", shape, float("nan"), ms, f"{byts / ms / 1e6:.0f} GB/s"))
     except Exception:

@@ -16,7 +16,7 @@ import numpy as np
 from pallas_kernels import kda, kda_intra
 
 CASES = [(1, 1, 1, 128), (2, 128, 1, 64), (1, 130, 2, 64), (3, 200, 4, 128)]
-NAMES = ("w", "u", "q_w hi", "q_w lo", "A_qk u", "kd hi", "kd lo", "exp(G_last)")
+NAMES = ("w", "u hi", "u lo", "q_w hi", "q_w lo", "A_qk u hi", "A_qk u lo", "kd hi", "kd lo", "exp(G_last)")
 
 
 def inputs(b, t, h, d, seed=0):

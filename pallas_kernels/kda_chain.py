@@ -6,7 +6,8 @@ flight (TMA, two slots) while it works on the current one:
     v_new = u - w S,   o = q_w S + A_qk u,   S <- exp(G_last) S + (k exp(G_last - G))^T v_new.
 Every product takes its left operand from SMEM (w, q_w and k exp(G_last - G) as they arrive) and
 carries fp32 right operands (S, v_new) as bf16 halves, hi + lo; q_w and k exp(G_last - G) arrive as
-halves too (hi.hi + hi.lo + lo.hi), w is bf16 as the intra kernel computed it.
+halves too (hi.hi + hi.lo + lo.hi), w is bf16 as the intra kernel computed it, and u and A_qk u
+arrive as halves that are added up in fp32.
 """
 
 import functools
@@ -32,15 +33,21 @@ def _key_smem(shape, block_v):
     )
 
 
+def _pair_value(hi_ref, lo_ref):
+    """hi + lo in fp32 from a pair of bf16 halves."""
+    return _load(hi_ref).astype(_F32) + _load(lo_ref).astype(_F32)
+
+
 def _chain_kernel(
-    w_ref, u_ref, qw_hi_ref, qw_lo_ref, au_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
+    w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
     o_ref, s_ref,
-    w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_s, au_s, s_halves, v_halves, o_s, decay_s, arrived,
+    w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, v_halves, o_s, decay_s,
+    arrived,
     *, n_chunks,
 ):
     c = CHUNK
     vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
-    block_v = u_s.shape[-1]
+    block_v = u_hi_s.shape[-1]
     dk = w_s.shape[-1]
     cols = pl.ds(vb * block_v, block_v)
 
@@ -48,7 +55,7 @@ def _chain_kernel(
         tokens = pl.ds(n * c, c)
         for src, dst in ((w_ref, w_s), (qw_hi_ref, qw_hi_s), (qw_lo_ref, qw_lo_s), (kd_hi_ref, kd_hi_s), (kd_lo_ref, kd_lo_s)):
             plgpu.copy_gmem_to_smem(src.at[b, h, tokens], dst.at[slot], arrived.at[slot])
-        for src, dst in ((u_ref, u_s), (au_ref, au_s)):
+        for src, dst in ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s), (au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s)):
             plgpu.copy_gmem_to_smem(src.at[b, h, tokens, cols], dst.at[slot], arrived.at[slot])
         plgpu.copy_gmem_to_smem(decay_ref.at[b, h, n], decay_s.at[slot], arrived.at[slot])
 
@@ -68,13 +75,13 @@ def _chain_kernel(
         s_halves[1][...] = s_lo
         plgpu.commit_smem()
         w = w_s.at[slot]
-        v_new = _load(u_s.at[slot]) - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
+        v_new = _pair_value(u_hi_s.at[slot], u_lo_s.at[slot]) - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
         v_hi, v_lo = _split(v_new)
         v_halves[0][...] = v_hi
         v_halves[1][...] = v_lo
         plgpu.commit_smem()
         qw_hi, qw_lo = qw_hi_s.at[slot], qw_lo_s.at[slot]
-        o = _load(au_s.at[slot]) + _matmul(
+        o = _pair_value(au_hi_s.at[slot], au_lo_s.at[slot]) + _matmul(
             (c, block_v), [(qw_hi, s_halves[0]), (qw_hi, s_halves[1]), (qw_lo, s_halves[0])]
         )
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o is read
@@ -91,14 +98,16 @@ def _chain_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def chain(w, u, qw_hi, qw_lo, au, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V, interpret=False):
+def chain(
+    w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
+    interpret=False,
+):
     """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
     outputs and the fp32 initial state [B, H, dk, dv]."""
     b, h, padded, dk = w.shape
-    dv = u.shape[-1]
+    dv = u_hi.shape[-1]
     block_v = min(block_v, dv)
     c = CHUNK
-    slots = lambda shape, dtype=_F32: _operand_smem((2, *shape), dtype)  # noqa: E731
     kernel = plgpu.kernel(
         functools.partial(_chain_kernel, n_chunks=padded // c),
         out_type=(
@@ -109,19 +118,18 @@ def chain(w, u, qw_hi, qw_lo, au, kd_hi, kd_lo, decay, initial_state, *, out_dty
         grid_names=("v", "h", "b"),
         scratch_types=(
             *(_key_smem((2, c, dk), block_v) for _ in range(5)),  # w, q_w hi/lo, k exp(G_last - G) hi/lo
-            slots((c, block_v)),  # u
-            slots((c, block_v)),  # A_qk u
+            *(_key_smem((2, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
             tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
             tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
             _operand_smem((c, block_v), out_dtype),  # o on its way out
             plgpu.SMEM((2, dk), _F32),  # exp(G_last); unswizzled buffers after the swizzled ones
-            plgpu.Barrier(num_arrivals=8, num_barriers=2),
+            plgpu.Barrier(num_arrivals=10, num_barriers=2),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="kda_chain",
     )
-    return kernel(w, u, qw_hi, qw_lo, au, kd_hi, kd_lo, decay, initial_state)
+    return kernel(w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state)
 
 
 def chunk_scan(q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, interpret=False):

@@ -17,13 +17,17 @@ every 8th token for the reference tokens below). The kernel computes:
   Neumann terms like C(62, 31));
 - the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
   u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
-  o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last). q_w and k exp(G_last - G) leave as bf16
-  halves, the chain's left operands.
+  o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last). Every fp32 output of the kernel leaves as two
+  bf16 halves (the chain adds u's and A_qk u's, and multiplies q_w's and k exp(G_last - G)'s as they are).
 
-Every wgmma takes its left operand from SMEM: register operands are staged there first (see
-`_matmul`). Every tile load is free of bank conflicts (`optimized=True`). SMEM: 202 KB at dk = 128
-(ncu), one CTA per SM; 255 registers. The repeated stages (score passes, merge steps) are loops:
-unrolled, the code outgrew the instruction cache and most cycles went to instruction fetch.
+Every product is [64, 64] x [64, 64]: the channels go in blocks of 64 (BLOCK_K), so that each
+operand pair takes 16 KB. Both operands come from SMEM (A in registers gave wrong rows on the H200
+under this kernel's register pressure); every tile load is free of bank conflicts
+(`optimized=True`). SMEM: k, G and beta for the whole kernel, the rest scoped per phase (q and the
+score passes' pairs; then v and the pairs of the inverse and the WY products, which reuse v's
+buffers and bring q back for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
+(202 KB and one CTA before). The repeated stages (score passes, merge steps) are loops: unrolled,
+the code outgrew the instruction cache and most cycles went to instruction fetch.
 
 Precision: the tensor cores multiply bf16; fp32 operands are carried as two bf16 halves (hi + lo,
 16 significant bits, three products: hi.hi + hi.lo + lo.hi), which makes the kernel as accurate as
@@ -33,7 +37,6 @@ CPU tests check the GPU's numbers.
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,18 +51,13 @@ L2_EPS = 1e-6
 # exp(16 |g|) times 128 channels stays finite in fp32 while |g| <= 5 (exp(80) * 128 = 7e36).
 MIN_GATE = -5.0
 HEAD_DIMS = (64, 128)
+BLOCK_K = 64  # channels per step: every product is [64, 64] x [64, 64]
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 _MARKS = CHUNK // 8  # G is also passed at every 8th token (the scores' reference tokens and the last)
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
 _COL = _WG.reduce(0)  # one value per column
-
-
-class _Regs(NamedTuple):
-    """A bf16 WGMMA-layout register array as the left operand of a product."""
-
-    value: jax.Array
 
 
 def _operand_smem(shape, dtype=_BF16):
@@ -87,22 +85,7 @@ def _split(x):
 
 
 def _matmul(shape, pairs):
-    """sum(a @ b for a, b in pairs) in fp32 on the tensor cores; a is `_Regs` or an SMEM ref, b an SMEM ref.
-
-    Register operands go through SMEM (one buffer per distinct array): on the H200, wgmma products
-    with A in registers gave wrong rows under this kernel's register pressure (bench/RESULTS.md),
-    and the interpreter's wgmma reads both operands from SMEM anyway."""
-    staged = list({id(a.value): a.value for a, _ in pairs if isinstance(a, _Regs)}.values())
-    if staged:
-
-        def with_buffers(*buffers):
-            where = {id(value): buffer for value, buffer in zip(staged, buffers)}
-            for value, buffer in zip(staged, buffers):
-                buffer[...] = value
-            plgpu.commit_smem()
-            return _matmul(shape, [(where[id(a.value)] if isinstance(a, _Regs) else a, b) for a, b in pairs])
-
-        return pl.run_scoped(with_buffers, *(_operand_smem(value.shape) for value in staged))
+    """sum(a @ b for a, b in pairs) in fp32 on the tensor cores, both operands SMEM refs."""
 
     def accumulate(acc):
         for a, b in pairs:
@@ -112,164 +95,205 @@ def _matmul(shape, pairs):
     return pl.run_scoped(accumulate, plgpu.ACC(shape, _F32))
 
 
-def _precise_matmul(shape, x, y_hi, y_lo):
-    """x @ y for fp32 registers x and y stored as bf16 halves: hi.hi + hi.lo + lo.hi."""
-    x_hi, x_lo = _split(x)
-    return _matmul(shape, [(_Regs(x_hi), y_hi), (_Regs(x_hi), y_lo), (_Regs(x_lo), y_hi)])
+def _precise(shape, left, right):
+    """left @ right for fp32 operands stored as bf16 (hi, lo) pairs: hi.hi + hi.lo + lo.hi."""
+    return _matmul(shape, [(left[0], right[0]), (left[0], right[1]), (left[1], right[0])])
 
 
-def _store_split(x, hi_ref, lo_ref):
+def _store_split(x, pair):
     hi, lo = _split(x)
-    hi_ref[...] = hi
-    lo_ref[...] = lo
+    pair[0][...] = hi
+    pair[1][...] = lo
     plgpu.commit_smem()
 
 
-def _unit_lower_inverse(a, halves):
+def _unit_lower_inverse(a, left, right):
     """(I + A)^-1 for strictly lower fp32 [C, C] A by block forward substitution: starting from blocks
     of one row, merge neighbouring diagonal blocks, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]],
     for all blocks at once as T <- T - T (L T), L = A on the merged blocks' lower-left quadrants.
     The factors are entries of A and of the inverse itself, so nothing grows past the inverse's own
     size; a Neumann series (the doubling this replaced) has terms like C(62, 31) a^32 when A is dense
-    (slow decay, similar keys), which cancelled to inf - inf.
-    A loop, not unrolled: the kernel's straight-line code outgrew the instruction cache (most stalls on
-    the H200 were fetches)."""
+    (slow decay, similar keys), which cancelled to inf - inf. `left` and `right` are (hi, lo) pairs of
+    [C, C] buffers for the operands. A loop, not unrolled: the kernel's straight-line code outgrew the
+    instruction cache (most stalls on the H200 were fetches)."""
     shape = a.shape
     r, c = _iota(shape, 0), _iota(shape, 1)
 
     def merge(level, inverse):  # diagonal blocks of 2^level rows -> 2^(level + 1)
         lower_left = ((r ^ c) >> level == 1) & (r > c)
-        _store_split(inverse, *halves)
-        coupling = _precise_matmul(shape, jnp.where(lower_left, a, 0.0), *halves)  # L T
-        plgpu.commit_smem()  # every wgmma has read the halves
-        _store_split(coupling, *halves)
-        inverse = inverse - _precise_matmul(shape, inverse, *halves)
-        plgpu.commit_smem()
-        return inverse
+        _store_split(jnp.where(lower_left, a, 0.0), left)
+        _store_split(inverse, right)
+        coupling = _precise(shape, left, right)  # L T; the product has read both pairs
+        _store_split(inverse, left)
+        _store_split(coupling, right)
+        return inverse - _precise(shape, left, right)
 
     return lax.fori_loop(0, int(math.log2(CHUNK)), merge, jnp.where(r == c, 1.0, 0.0))
 
 
 def _intra_kernel(
     q_ref, k_ref, v_ref, cum_ref, marks_ref, beta_ref,
-    w_ref, u_ref, qw_hi_ref, qw_lo_ref, au_ref, kd_hi_ref, kd_lo_ref,
-    q_s, k_s, v_s, cum_s, out_s, parts, halves, marks_s, beta_s, loaded,
+    w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref,
+    k_s, cum_s, beta_s, loaded, v_loaded, q_loaded,
 ):
-    """One chunk of one head. Tiles are read back from SMEM where they are needed rather than kept
-    in registers: a [64, 128] fp32 tile is 64 registers per thread."""
+    """One chunk of one head, in blocks of 64 channels: every product is [64, 64] x [64, 64]. k, G and
+    beta stay in SMEM throughout; the rest is scoped per phase (the score passes, then the inverse and
+    the WY products), 103 KB at dk = 128, so that two CTAs share an SM. Tiles are read back from SMEM
+    where they are needed rather than kept in registers."""
     c = CHUNK
     n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
-    dk = q_s.shape[1]
+    dk = k_s.shape[1]
+    blocks = [pl.ds(j * BLOCK_K, BLOCK_K) for j in range(dk // BLOCK_K)]
     tokens = pl.ds(n * c, c)
-    for src, dst in ((q_ref, q_s), (k_ref, k_s), (v_ref, v_s), (cum_ref, cum_s)):
-        plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, loaded)
-    plgpu.copy_gmem_to_smem(marks_ref.at[b, pl.ds(n * _MARKS, _MARKS), h], marks_s, loaded)
-    plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tokens], beta_s, loaded)
-    plgpu.barrier_wait(loaded)
-    tile, square = (c, dk), (c, c)
+    square = (c, c)
 
-    def rows_of(x, shape=tile):
-        return lax.broadcast_in_dim(x, shape, [0])
+    def rows_of(x):
+        return lax.broadcast_in_dim(x, square, [0])
 
-    def cols_of(x, shape=tile):
-        return lax.broadcast_in_dim(x, shape, [1])
+    def cols_of(x):
+        return lax.broadcast_in_dim(x, square, [1])
 
-    def cum():
-        return _load(cum_s)
+    def cum(cols):
+        return _load(cum_s.at[:, cols])
 
-    def at_mark(i):  # G at token 8 i + 7, one value per column
-        return cols_of(_load(marks_s.at[i], _COL, optimized=False))
+    def k(cols, scale):  # L2-normalised k times a per-row scale
+        return _load(k_s.at[:, cols]).astype(_F32) * rows_of(scale)
 
-    last = _load(marks_s.at[_MARKS - 1], _COL, optimized=False)
-
-    def inverse_norm(ref, scale):
-        x = _load(ref).astype(_F32)
-        return scale / jnp.sqrt(jnp.sum(x * x, axis=1) + L2_EPS)
-
-    q_scale, k_scale = inverse_norm(q_s, dk**-0.5), inverse_norm(k_s, 1.0)
-    beta = _load(beta_s, _ROW)  # zero past the sequence's length
-
-    def q():  # L2-normalised, scaled by dk^-0.5
-        return _load(q_s).astype(_F32) * rows_of(q_scale)
-
-    def k(scale=1.0):  # L2-normalised, times a per-row scale
-        return _load(k_s).astype(_F32) * rows_of(k_scale * scale)
-
-    # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, in three passes (a
-    # loop, to keep the code small) with different reference tokens. Pass 0: the middle token of each
-    # 16-token diagonal block (factors exp(x), |x| <= 8 |g|, both halves of a split factor normal
-    # numbers). Passes 1 and 2: the boundary between a block of queries and the earlier keys (both
-    # factors <= 1): blocks 1 x 0 and 3 x 2 through tokens 15 and 47, the lower-left half through 31.
     r, cl = _iota(square, 0), _iota(square, 1)
-    row = _iota(tile, 0)
-    block = row // SUB_CHUNK
-    keys = (parts[0].T, parts[1].T)  # key rows as the right operand's columns
-    pairs = (r // SUB_CHUNK % 2 == 1) & (cl // SUB_CHUNK == r // SUB_CHUNK - 1)
-    lower_left = (r >= HALF) & (cl < HALF)
+    block = r // SUB_CHUNK  # the 16-token block of each row
 
-    def reference(i):
-        """G at pass i's reference token of each row, [C, dk]."""
-        def mark(j):  # the mark (every 8th token) of row block j's reference
-            return jnp.where(i == 0, 2 * j, jnp.where(i == 1, 4 * (j // 2) + 1, HALF // _MARKS - 1))
-        return functools.reduce(
-            lambda acc, j: jnp.where(block == j, at_mark(mark(j)), acc), range(1, c // SUB_CHUNK), at_mark(mark(0))
-        )
+    def scores_and_kd(q_s, key_pair, left_pair, marks_s):
+        """A_qk and A_kk, k exp(G_last - G) out; the rows' norms."""
+        plgpu.copy_gmem_to_smem(q_ref.at[b, tokens, h], q_s, loaded)
+        for src, dst in ((k_ref, k_s), (cum_ref, cum_s)):
+            plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, loaded)
+        plgpu.copy_gmem_to_smem(marks_ref.at[b, pl.ds(n * _MARKS, _MARKS), h], marks_s, loaded)
+        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tokens], beta_s, loaded)
+        plgpu.barrier_wait(loaded)
 
-    def score_pass(i, carry):
-        a_qk, a_kk = carry
-        exponent = cum() - reference(i)
-        query_rows = (i == 0) | jnp.where(i == 1, block % 2 == 1, row >= HALF)
-        key_rows = (i == 0) | ~query_rows
-        _store_split(k() * jnp.where(key_rows, jnp.exp(-exponent), 0.0), *parts)
-        query_factor = jnp.where(query_rows, jnp.exp(exponent), 0.0)
-        qk = _precise_matmul(square, q() * query_factor, *keys)
-        kk = _precise_matmul(square, k(beta) * query_factor, *keys)
-        plgpu.commit_smem()  # the products have read the keys
-        blocks = jnp.where(i == 0, r // SUB_CHUNK == cl // SUB_CHUNK, jnp.where(i == 1, pairs, lower_left))
-        return a_qk + jnp.where(blocks & (cl <= r), qk, 0.0), a_kk + jnp.where(blocks & (cl < r), kk, 0.0)
+        def at_mark(i, cols):  # G at token 8 i + 7, one value per column
+            return cols_of(_load(marks_s.at[i, cols], _COL, optimized=False))
 
-    zeros = plgpu.layout_cast(jnp.zeros(square, _F32), _WG)
-    a_qk, a_kk = lax.fori_loop(0, 3, score_pass, (zeros, zeros))
+        def inverse_norm(ref, scale):
+            squares = sum(jnp.sum(_load(ref.at[:, cols]).astype(_F32) ** 2, axis=1) for cols in blocks)
+            return scale / jnp.sqrt(squares + L2_EPS)
 
-    # k exp(G_last - G) out, as bf16 halves (the chain's left operand).
-    _store_split(k() * jnp.exp(cols_of(last) - cum()), *parts)
-    plgpu.copy_smem_to_gmem(parts[0], kd_hi_ref.at[b, h, tokens])
-    plgpu.copy_smem_to_gmem(parts[1], kd_lo_ref.at[b, h, tokens])
+        q_scale, k_scale = inverse_norm(q_s, dk**-0.5), inverse_norm(k_s, 1.0)
+        beta = _load(beta_s, _ROW)  # zero past the sequence's length
 
-    # WY factors with T diag(beta): w = T_b (k exp(G)), u = T_b v.
-    t = _unit_lower_inverse(a_kk, halves) * cols_of(_load(beta_s, _COL), square)
-    t_hi, t_lo = _split(t)
-    x = k() * jnp.exp(cum())
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the halves of k exp(G_last - G) are read
-    _store_split(x, *parts)
-    w = _matmul(tile, [(_Regs(t_hi), parts[0]), (_Regs(t_hi), parts[1]), (_Regs(t_lo), parts[0])])
-    k_s[...] = w.astype(_BF16)  # k is not needed any more
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
-    u = _matmul(tile, [(_Regs(t_hi), v_s), (_Regs(t_lo), v_s)])
-    _store_split(u, *parts)
-    out_s[...] = u
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, u_ref.at[b, h, tokens])
+        def q(cols):  # L2-normalised, scaled by dk^-0.5
+            return _load(q_s.at[:, cols]).astype(_F32) * rows_of(q_scale)
 
-    # q_w = q exp(G) - A_qk w (the bf16 w the chain multiplies); A_qk u.
-    a_hi, a_lo = _split(a_qk)
-    au = _matmul(tile, [(_Regs(a_hi), parts[0]), (_Regs(a_hi), parts[1]), (_Regs(a_lo), parts[0])])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_s (u) is read
-    out_s[...] = au
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, au_ref.at[b, h, tokens])
-    q_w = q() * jnp.exp(cum()) - _matmul(tile, [(_Regs(a_hi), k_s), (_Regs(a_lo), k_s)])
-    _store_split(q_w, *parts)  # bf16 halves, the chain's left operand
-    plgpu.copy_smem_to_gmem(parts[0], qw_hi_ref.at[b, h, tokens])
-    plgpu.copy_smem_to_gmem(parts[1], qw_lo_ref.at[b, h, tokens])
-    plgpu.wait_smem_to_gmem(0)
+        # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, in three passes (a
+        # loop, to keep the code small) with different reference tokens. Pass 0: the middle token of
+        # each 16-token diagonal block (factors exp(x), |x| <= 8 |g|, both halves of a split factor
+        # normal numbers). Passes 1 and 2: the boundary between a block of queries and the earlier keys
+        # (both factors <= 1): blocks 1 x 0 and 3 x 2 through tokens 15 and 47, the lower-left half
+        # through 31.
+        pairs = (block % 2 == 1) & (cl // SUB_CHUNK == block - 1)
+        lower_left = (r >= HALF) & (cl < HALF)
+        keys = (key_pair[0].T, key_pair[1].T)  # key rows as the right operand's columns
+
+        def reference(i, cols):
+            """G at pass i's reference token of each row, [C, 64]."""
+            def mark(j):  # the mark (every 8th token) of row block j's reference
+                return jnp.where(i == 0, 2 * j, jnp.where(i == 1, 4 * (j // 2) + 1, HALF // _MARKS - 1))
+            return functools.reduce(
+                lambda acc, j: jnp.where(block == j, at_mark(mark(j), cols), acc),
+                range(1, c // SUB_CHUNK), at_mark(mark(0), cols),
+            )
+
+        def score_pass(i, carry):
+            a_qk, a_kk = carry
+            query_rows = (i == 0) | jnp.where(i == 1, block % 2 == 1, r >= HALF)
+            key_rows = (i == 0) | ~query_rows
+
+            def products(acc_qk, acc_kk):
+                for cols in blocks:  # the pairs are rewritten per block, once the products have read them
+                    exponent = cum(cols) - reference(i, cols)
+                    _store_split(k(cols, k_scale) * jnp.where(key_rows, jnp.exp(-exponent), 0.0), key_pair)
+                    query_factor = jnp.where(query_rows, jnp.exp(exponent), 0.0)
+                    for acc, left in ((acc_qk, q(cols)), (acc_kk, k(cols, k_scale * beta))):
+                        _store_split(left * query_factor, left_pair)
+                        for x, y in ((0, 0), (0, 1), (1, 0)):
+                            plgpu.wgmma(acc, left_pair[x], keys[y])
+                        plgpu.wgmma_wait(0)
+                return acc_qk[...], acc_kk[...]
+
+            qk, kk = pl.run_scoped(products, plgpu.ACC(square, _F32), plgpu.ACC(square, _F32))
+            blocks_of_pass = jnp.where(i == 0, block == cl // SUB_CHUNK, jnp.where(i == 1, pairs, lower_left))
+            return (
+                a_qk + jnp.where(blocks_of_pass & (cl <= r), qk, 0.0),
+                a_kk + jnp.where(blocks_of_pass & (cl < r), kk, 0.0),
+            )
+
+        zeros = plgpu.layout_cast(jnp.zeros(square, _F32), _WG)
+        a_qk, a_kk = lax.fori_loop(0, 3, score_pass, (zeros, zeros))
+
+        # k exp(G_last - G) out, as bf16 halves (the chain's left operand), one block per pair.
+        for cols, pair in zip(blocks, (key_pair, left_pair)):
+            _store_split(k(cols, k_scale) * jnp.exp(at_mark(_MARKS - 1, cols) - cum(cols)), pair)
+            plgpu.copy_smem_to_gmem(pair[0], kd_hi_ref.at[b, h, tokens, cols])
+            plgpu.copy_smem_to_gmem(pair[1], kd_lo_ref.at[b, h, tokens, cols])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the scope's SMEM is reused
+        return a_qk, a_kk, q_scale, k_scale
+
+    def pair_smem():
+        return _operand_smem(square), _operand_smem(square)
+
+    # Unswizzled buffers after the swizzled ones: on the H200 one placed before the swizzled operands
+    # gave wrong products in rows 8-15 of every 16 (bench/RESULTS.md, the probes of commit 8556005).
+    a_qk, a_kk, q_scale, k_scale = pl.run_scoped(
+        scores_and_kd, _operand_smem((c, dk)), pair_smem(), pair_smem(), plgpu.SMEM((_MARKS, dk), _F32)
+    )
+
+    def wy_products(v_blocks, pair_a, pair_b):
+        """w = T_b (k exp(G)), u = T_b v, A_qk u and q_w = q exp(G) - A_qk w, T_b = T diag(beta); v
+        arrives while T is computed."""
+        for cols, v_block in zip(blocks, v_blocks):
+            plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_block, v_loaded)
+        t = _unit_lower_inverse(a_kk, pair_a, pair_b) * cols_of(_load(beta_s, _COL))
+        _store_split(t, pair_b)  # T_b: the left operand of w and u
+
+        for cols in blocks:  # k's block is read into pair_a before w's block takes its place
+            _store_split(k(cols, k_scale) * jnp.exp(cum(cols)), pair_a)
+            k_s.at[:, cols][...] = _precise((c, BLOCK_K), pair_b, pair_a).astype(_BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
+
+        plgpu.barrier_wait(v_loaded)
+        u = [_matmul((c, BLOCK_K), [(pair_b[0], v_block), (pair_b[1], v_block)]) for v_block in v_blocks[: len(blocks)]]
+        a_pair = v_blocks[:2]  # v has been read: its buffers take A_qk's halves
+        _store_split(a_qk, a_pair)
+        outs = (pair_a, pair_b)  # u, then A_qk u, then q_w on their way out, a block per pair
+
+        def send(values, hi_ref, lo_ref):
+            for cols, value, pair in zip(blocks, values, outs):
+                _store_split(value, pair)
+                plgpu.copy_smem_to_gmem(pair[0], hi_ref.at[b, h, tokens, cols])
+                plgpu.copy_smem_to_gmem(pair[1], lo_ref.at[b, h, tokens, cols])
+
+        send(u, u_hi_ref, u_lo_ref)
+        au = [_precise((c, BLOCK_K), a_pair, pair) for pair in outs[: len(blocks)]]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # u's pairs are read
+        send(au, au_hi_ref, au_lo_ref)
+        a_w = [_matmul((c, BLOCK_K), [(a_pair[0], k_s.at[:, cols]), (a_pair[1], k_s.at[:, cols])]) for cols in blocks]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # A_qk u's pairs are read: q comes back into pair_a
+        for cols, q_block in zip(blocks, pair_a):
+            plgpu.copy_gmem_to_smem(q_ref.at[b, tokens, h, cols], q_block, q_loaded)
+        plgpu.barrier_wait(q_loaded)
+        q_exp = [_load(q_block).astype(_F32) * rows_of(q_scale) * jnp.exp(cum(cols)) for cols, q_block in zip(blocks, pair_a)]
+        send([x - y for x, y in zip(q_exp, a_w)], qw_hi_ref, qw_lo_ref)  # bf16 halves, the chain's left operand
+        plgpu.wait_smem_to_gmem(0)
+
+    v_blocks = tuple(_operand_smem(square) for _ in range(max(2, len(blocks))))
+    pl.run_scoped(wy_products, v_blocks, pair_smem(), pair_smem())
 
 
 def intra(q, k, v, g, beta, lengths, *, interpret=False):
-    """w (bf16), u, q_w (hi, lo), A_qk u, k exp(G_last - G) (hi, lo) [B, H, T', d] and exp(G_last)
-    [B, H, T' / 64, dk]: fp32, except w and the bf16 halves hi + lo of q_w and k exp(G_last - G) (the
-    chain's left operands); T' = T rounded up to whole chunks.
+    """w (bf16), u (hi, lo), q_w (hi, lo), A_qk u (hi, lo), k exp(G_last - G) (hi, lo) [B, H, T', d]
+    and exp(G_last) [B, H, T' / 64, dk] fp32; every (hi, lo) a pair of bf16 halves of an fp32 value,
+    hi + lo; T' = T rounded up to whole chunks.
 
     q, k, v [B, T, H, d] bf16 with d in HEAD_DIMS; g [B, T, H, d] fp32 (natural-log decays, each
     >= MIN_GATE); beta [B, H, T] fp32; lengths [B] int32 (tokens of each sequence, <= T)."""
@@ -282,29 +306,19 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
     if t % 8:  # TMA needs whole 8-row tiles and 16-byte strides in HBM; the rows past T read as zeros anyway
         q, k, v = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v))
         beta = jnp.pad(beta, [(0, 0), (0, 0), (0, -t % 8)])
-    tile = (c, dk)
-    per_token = lambda dtype: jax.ShapeDtypeStruct((b, h, padded, dk), dtype)  # noqa: E731
+    halves = (jax.ShapeDtypeStruct((b, h, padded, dk), _BF16),) * 8
     kernel = plgpu.kernel(
         _intra_kernel,
-        out_type=(
-            per_token(_BF16), per_token(_F32), per_token(_BF16), per_token(_BF16), per_token(_F32),
-            per_token(_BF16), per_token(_BF16),
-        ),
+        out_type=(jax.ShapeDtypeStruct((b, h, padded, dk), _BF16), *halves),
         grid=(n_chunks, h, b),
         grid_names=("n", "h", "b"),
         scratch_types=(
-            _operand_smem(tile),  # q
-            _operand_smem(tile),  # k, then w
-            _operand_smem(tile),  # v
-            _operand_smem(tile, _F32),  # G
-            _operand_smem(tile, _F32),  # fp32 outputs on their way out
-            (_operand_smem(tile), _operand_smem(tile)),  # halves of right operands
-            (_operand_smem(square := (c, c)), _operand_smem(square)),  # halves of the inverse's operands
-            # Unswizzled buffers last: on the H200 one placed before the swizzled operands gave wrong
-            # products in rows 8-15 of every 16 (bench/RESULTS.md, the probes of commit 8556005).
-            plgpu.SMEM((_MARKS, dk), _F32),  # G at every 8th token: unswizzled, its rows are read as vectors
+            _operand_smem((c, dk)),  # k, then w
+            _operand_smem((c, dk), _F32),  # G
             plgpu.SMEM((c,), _F32),  # beta
-            plgpu.Barrier(num_arrivals=6),
+            plgpu.Barrier(num_arrivals=5),  # q, k, G, G at every 8th token, beta
+            plgpu.Barrier(num_arrivals=dk // BLOCK_K),  # v
+            plgpu.Barrier(num_arrivals=dk // BLOCK_K),  # q again, for q_w
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
