@@ -1,37 +1,77 @@
-"""The XLA work around the intra kernel at the three prefill shapes: G (the chunk-local running sum
-of g) by jnp.cumsum (a reduce-window in XLA) and by a product with tril(ones) (`kda_intra.chunk_cumsum`),
-and all of it (`kda_intra.gate_sums`: G, G at every 8th token, exp(G_last)). Median ms of 10 calls in one
-jitted loop, and GB/s of the bytes each must move (g read, G written).
+"""XLA's work before the intra kernel (`kda_intra.gate_sums`: G, the running sum of g inside each
+64-token chunk; G at every 8th token; exp(G_last)) at the three prefill shapes, against other
+formulations of it: median ms per call of 20 jitted calls dispatched back to back (every output returned,
+so every element is computed), GB/s of the bytes that must move (g read; G, G at every 8th token
+and exp(G_last) written), and each one's largest error against a float64 cumsum on the host.
 
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_prelude.py
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_prelude.py [--interpret]
+
+(`--interpret`: a small shape on the CPU, to check the formulations agree.)
 """
+
+import argparse
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 import kda as bench
 from pallas_kernels import kda_intra
 
+C, MARK = kda_intra.CHUNK, 8
 
-def cumsum_by_reduce_window(g, lengths, padded):
-    by_chunk = jnp.cumsum(kda_intra.gates_by_chunk(g, lengths, padded), axis=2)
-    return by_chunk.reshape(g.shape[0], padded, *g.shape[2:])
+
+def by_product(g, lengths, padded):
+    """G as a product with tril(ones) at fp32 precision."""
+    ones = jnp.tril(jnp.ones((C, C), jnp.float32))
+    x = kda_intra.gates_by_chunk(g, lengths, padded)
+    cum = jnp.einsum("ij,bnjx->bnix", ones, x, precision=lax.Precision.HIGHEST).reshape(g.shape[0], padded, *g.shape[2:])
+    return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
+
+
+def by_reduce_window(g, lengths, padded):
+    """jnp.cumsum over the chunk's 64 tokens (XLA: a 64-wide reduce-window)."""
+    cum = jnp.cumsum(kda_intra.gates_by_chunk(g, lengths, padded), axis=2).reshape(g.shape[0], padded, *g.shape[2:])
+    return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
+
+
+def by_associative_scan(g, lengths, padded):
+    """lax.associative_scan over the chunk's 64 tokens."""
+    cum = lax.associative_scan(jnp.add, kda_intra.gates_by_chunk(g, lengths, padded), axis=2)
+    cum = cum.reshape(g.shape[0], padded, *g.shape[2:])
+    return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
+
+
+FORMULATIONS = {
+    "gate_sums (two levels)": kda_intra.gate_sums,
+    "tril product": by_product,
+    "reduce-window": by_reduce_window,
+    "associative scan": by_associative_scan,
+}
 
 
 def main():
-    bench.log("| (B, T, H), D = 128 | cumsum (reduce-window) ms | tril product ms | whole prelude ms | GB moved (g in, G out) |")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--interpret", action="store_true")
+    shapes = [(2, 200, 3, 64)] if parser.parse_args().interpret else [s[:4] for s in bench.PREFILL_SHAPES]
+    bench.log("| (B, T, H, D) | formulation | ms | GB/s | max abs error (G, marks, exp(G_last)) |")
     bench.log("| --- | --- | --- | --- | --- |")
-    for b, t, h, d in bench.PREFILL_SHAPES:
+    for b, t, h, d in shapes:
         g = jnp.asarray(bench.prefill_inputs(b, t, h, d)[3])
-        lengths = jnp.full((b,), t, jnp.int32)
-        times = []
-        for fn in (cumsum_by_reduce_window, kda_intra.chunk_cumsum, kda_intra.gate_sums):
-            def step(c, fn=fn):
-                out = jax.tree.leaves(fn(g + c, lengths, -(-t // kda_intra.CHUNK) * kda_intra.CHUNK))
-                return c + sum(x.reshape(-1)[0] for x in out) * 0
-            times.append(bench.loop_ms(step, jnp.float32(0)))
-        gb = 2 * g.size * 4 / 1e9
-        bench.log(f"| ({b}, {t}, {h}) | {times[0]:.3f} | {times[1]:.3f} | {times[2]:.3f} | {gb:.2f} |")
+        lengths = jnp.array([t, max(t - 77, 1)][:b] + [t] * max(b - 2, 0), jnp.int32)
+        padded = -(-t // C) * C
+        x = np.where((np.arange(t) < np.asarray(lengths)[:, None])[:, :, None, None], np.asarray(g, np.float64), 0.0)
+        x = np.pad(x, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // C, C, h, d)
+        cum = np.cumsum(x, axis=2).reshape(b, padded, h, d)
+        want = (cum, cum[:, MARK - 1 :: MARK], np.exp(np.swapaxes(cum[:, C - 1 :: C], 1, 2)))
+        gb = (g.size + b * padded * h * d * (1 + 1 / MARK + 1 / C)) * 4 / 1e9
+        for name, fn in FORMULATIONS.items():
+            call = jax.jit(fn, static_argnums=2)
+            got = call(g, lengths, padded)
+            errors = " / ".join(f"{np.abs(np.asarray(a, np.float64) - w).max():.1e}" for a, w in zip(got, want))
+            ms = bench.dispatched_ms(call, g, lengths, padded)
+            bench.log(f"| ({b}, {t}, {h}, {d}) | {name} | {ms:.3f} | {gb / ms * 1e3:.0f} | {errors} |")
 
 
 if __name__ == "__main__":

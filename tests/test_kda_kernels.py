@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import relative_error
 
-from pallas_kernels import kda
+from pallas_kernels import kda, kda_intra
 
 TOLERANCE = 2e-3
 
@@ -89,6 +89,21 @@ def test_chunk_scan_ragged_lengths_in_one_batch():
     args = scan_inputs(3, 3, 200, 2, 64)
     s0 = jax.random.normal(jax.random.key(3), (3, 2, 64, 64))
     assert_scan_matches(args, s0, lengths=jnp.array([200, 1, 77], jnp.int32))
+
+
+def test_gate_sums_against_a_float64_cumsum():
+    """G (running sums of g inside each chunk, zero past each sequence's length), G at every 8th
+    token and exp(G_last), as the intra kernel takes them, on ragged lengths and a ragged tail."""
+    b, t, h, d, padded = 3, 150, 2, 64, 192
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(jax.random.key(11), (b, t, h, d)))
+    lengths = np.array([150, 1, 70])
+    cum, marks, decay = kda_intra.gate_sums(g, jnp.asarray(lengths, jnp.int32), padded)
+    x = np.where((np.arange(t) < lengths[:, None])[:, :, None, None], np.asarray(g, np.float64), 0.0)
+    x = np.pad(x, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // 64, 64, h, d)
+    want = np.cumsum(x, axis=2).reshape(b, padded, h, d)
+    assert cum.shape == (b, padded, h, d) and np.abs(np.asarray(cum) - want).max() < 1e-4  # |G| <= 320
+    np.testing.assert_allclose(marks, want[:, 7::8], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(decay, np.exp(np.swapaxes(want[:, 63::64], 1, 2)), rtol=1e-4, atol=1e-37)
 
 
 def test_lengths_in_the_reference_stop_each_sequence_at_its_own_end():
