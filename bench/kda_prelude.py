@@ -1,7 +1,7 @@
-"""XLA's work before the intra kernel (`kda_intra.gate_sums`: G, the running sum of g inside each
-64-token chunk; G at every 8th token; exp(G_last)) at the three prefill shapes, against other
-formulations of it: median ms per call of 20 jitted calls dispatched back to back (every output returned,
-so every element is computed), GB/s of the bytes that must move (g read; G, G at every 8th token
+"""The scan's first stage (`kda_gates.gate_sums`: G, the running sum of g inside each 64-token chunk;
+G at every 8th token; exp(G_last)) at the three prefill shapes: the Triton kernel in several launch
+shapes against formulations in XLA. Median ms per call of 20 jitted calls dispatched back to back
+(every output returned, so every element is computed), GB/s of the bytes that must move (g read; G, G at every 8th token
 and exp(G_last) written), and each one's largest error against a float64 cumsum on the host.
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_prelude.py [--interpret]
@@ -10,6 +10,7 @@ and exp(G_last) written), and each one's largest error against a float64 cumsum 
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,34 +18,43 @@ import numpy as np
 from jax import lax
 
 import kda as bench
-from pallas_kernels import kda_intra
+from pallas_kernels import kda_gates
 
-C, MARK = kda_intra.CHUNK, 8
+C, MARK = kda_gates.CHUNK, kda_gates.MARK
 
 
 def by_product(g, lengths, padded):
     """G as a product with tril(ones) at fp32 precision."""
     ones = jnp.tril(jnp.ones((C, C), jnp.float32))
-    x = kda_intra.gates_by_chunk(g, lengths, padded)
+    x = kda_gates.gates_by_chunk(g, lengths, padded)
     cum = jnp.einsum("ij,bnjx->bnix", ones, x, precision=lax.Precision.HIGHEST).reshape(g.shape[0], padded, *g.shape[2:])
     return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
 
 
 def by_reduce_window(g, lengths, padded):
     """jnp.cumsum over the chunk's 64 tokens (XLA: a 64-wide reduce-window)."""
-    cum = jnp.cumsum(kda_intra.gates_by_chunk(g, lengths, padded), axis=2).reshape(g.shape[0], padded, *g.shape[2:])
+    cum = jnp.cumsum(kda_gates.gates_by_chunk(g, lengths, padded), axis=2).reshape(g.shape[0], padded, *g.shape[2:])
     return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
 
 
 def by_associative_scan(g, lengths, padded):
     """lax.associative_scan over the chunk's 64 tokens."""
-    cum = lax.associative_scan(jnp.add, kda_intra.gates_by_chunk(g, lengths, padded), axis=2)
+    cum = lax.associative_scan(jnp.add, kda_gates.gates_by_chunk(g, lengths, padded), axis=2)
     cum = cum.reshape(g.shape[0], padded, *g.shape[2:])
     return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
 
 
-FORMULATIONS = {
-    "gate_sums (two levels)": kda_intra.gate_sums,
+def kernels(launch_shapes, interpret=False):
+    return {
+        f"kernel, block {block}, {warps} warps": functools.partial(
+            kda_gates.gate_sums, block=block, num_warps=warps, interpret=interpret
+        )
+        for block, warps in launch_shapes
+    }
+
+
+XLA_FORMULATIONS = {
+    "two levels (gate_sums_reference)": kda_gates.gate_sums_reference,
     "tril product": by_product,
     "reduce-window": by_reduce_window,
     "associative scan": by_associative_scan,
@@ -54,7 +64,10 @@ FORMULATIONS = {
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--interpret", action="store_true")
-    shapes = [(2, 200, 3, 64)] if parser.parse_args().interpret else [s[:4] for s in bench.PREFILL_SHAPES]
+    interpret = parser.parse_args().interpret
+    shapes = [(2, 200, 3, 64)] if interpret else [s[:4] for s in bench.PREFILL_SHAPES]
+    launch_shapes = [(64, 4)] if interpret else [(256, 4), (128, 4), (512, 4), (512, 8), (1024, 8)]
+    formulations = {**kernels(launch_shapes, interpret), **XLA_FORMULATIONS}
     bench.log("| (B, T, H, D) | formulation | ms | GB/s | max abs error (G, marks, exp(G_last)) |")
     bench.log("| --- | --- | --- | --- | --- |")
     for b, t, h, d in shapes:
@@ -66,7 +79,7 @@ def main():
         cum = np.cumsum(x, axis=2).reshape(b, padded, h, d)
         want = (cum, cum[:, MARK - 1 :: MARK], np.exp(np.swapaxes(cum[:, C - 1 :: C], 1, 2)))
         gb = (g.size + b * padded * h * d * (1 + 1 / MARK + 1 / C)) * 4 / 1e9
-        for name, fn in FORMULATIONS.items():
+        for name, fn in formulations.items():
             call = jax.jit(fn, static_argnums=2)
             got = call(g, lengths, padded)
             errors = " / ".join(f"{np.abs(np.asarray(a, np.float64) - w).max():.1e}" for a, w in zip(got, want))

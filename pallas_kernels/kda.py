@@ -10,7 +10,7 @@ as transformers' `use_qk_l2norm_in_kernel=True` does.
 `kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form;
 `kda_decode_step` one token per sequence with everything around the core fused in (the short conv
 and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions are pure jnp and are
-the oracles of the Pallas kernels in `kda_intra`, `kda_chain` and `kda_triton`.
+the oracles of the Pallas kernels in `kda_gates`, `kda_intra`, `kda_chain` and `kda_triton`.
 
 A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
 sequence): a padded position neither decays nor writes the state (g = 0, beta = 0 there), so the

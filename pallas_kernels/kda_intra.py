@@ -3,7 +3,7 @@ chunk needs before the serial chain (`kda_chain`) meets it.
 
 One warpgroup per (chunk, head, sequence), its tiles brought in by TMA (rows past the end of the
 sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma).
-G, the running sum of the log decays inside the chunk, comes from XLA (`gate_sums`, with G at
+G, the running sum of the log decays inside the chunk, comes from `kda_gates.gate_sums` (with G at
 every 8th token for the reference tokens below). The kernel computes:
 - the scores A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), with q and k
   L2-normalised (q also scaled by dk^-0.5). The decay exp(G_i - G_j) of a channel factors through a
@@ -44,7 +44,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-CHUNK = 64
+from pallas_kernels import kda_gates
+from pallas_kernels.kda_gates import CHUNK
+
 HALF = CHUNK // 2
 SUB_CHUNK = 16
 L2_EPS = 1e-6
@@ -54,7 +56,7 @@ HEAD_DIMS = (64, 128)
 BLOCK_K = 64  # channels per step: every product is [64, 64] x [64, 64]
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-_MARKS = CHUNK // 8  # G is also passed at every 8th token (the scores' reference tokens and the last)
+_MARKS = CHUNK // kda_gates.MARK  # G is also passed at every 8th token (the scores' reference tokens and the last)
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
 _COL = _WG.reduce(0)  # one value per column
@@ -302,7 +304,7 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
     n_chunks = -(-t // c)
     padded = n_chunks * c
     beta = jnp.where(jnp.arange(t) < lengths[:, None, None], beta, 0.0)  # past a sequence's end: no writes
-    cum, marks, decay = gate_sums(g, lengths, padded)
+    cum, marks, decay = kda_gates.gate_sums(g, lengths, padded, interpret=interpret)
     if t % 8:  # TMA needs whole 8-row tiles and 16-byte strides in HBM; the rows past T read as zeros anyway
         q, k, v = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v))
         beta = jnp.pad(beta, [(0, 0), (0, 0), (0, -t % 8)])
@@ -325,28 +327,3 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
         kernel_name="kda_intra",
     )
     return (*kernel(q, k, v, cum, marks, beta), decay)
-
-
-def gates_by_chunk(g, lengths, padded):
-    """g as [B, T' / 64, 64, H * dk] fp32, T' = `padded` tokens: zero at or past a sequence's length
-    (those tokens do not decay) and in the padding."""
-    b, t, h, dk = g.shape
-    g = jnp.where((jnp.arange(t) < lengths[:, None])[:, :, None, None], g.astype(_F32), 0.0)
-    return jnp.pad(g, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // CHUNK, CHUNK, h * dk)
-
-
-def gate_sums(g, lengths, padded):
-    """XLA's part of the scan before the intra kernel: G [B, T', H, dk] fp32, the running sum of g
-    inside each 64-token chunk (see `gates_by_chunk`); G at every 8th token [B, T' / 8, H, dk] (the
-    scores' reference tokens); exp(G_last) [B, H, T' / 64, dk].
-    In two levels, running sums inside 8-token blocks plus the running totals of the blocks (which
-    are G at every 8th token): on the H200 0.203 ms at (1, 16384, 16, 128) against 0.277 for a
-    product with tril(ones) and 0.366 for jnp.cumsum over 64 tokens (`bench/kda_prelude.py`)."""
-    b, _, h, dk = g.shape
-    x = gates_by_chunk(g, lengths, padded).reshape(b, padded // CHUNK, _MARKS, CHUNK // _MARKS, h * dk)
-    inner = jnp.cumsum(x, axis=3)
-    marks = jnp.cumsum(inner[:, :, :, -1], axis=2)  # [B, T' / 64, 8, H dk]
-    before = jnp.pad(marks[:, :, :-1], [(0, 0), (0, 0), (1, 0), (0, 0)])  # the earlier blocks' total
-    cum = (inner + before[:, :, :, None]).reshape(b, padded, h, dk)
-    decay = jnp.exp(marks[:, :, -1]).reshape(b, padded // CHUNK, h, dk)
-    return cum, marks.reshape(b, padded // _MARKS, h, dk), jnp.swapaxes(decay, 1, 2)

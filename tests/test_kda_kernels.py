@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import relative_error
 
-from pallas_kernels import kda, kda_intra
+from pallas_kernels import kda, kda_gates
 
 TOLERANCE = 2e-3
 
@@ -91,13 +91,22 @@ def test_chunk_scan_ragged_lengths_in_one_batch():
     assert_scan_matches(args, s0, lengths=jnp.array([200, 1, 77], jnp.int32))
 
 
-def test_gate_sums_against_a_float64_cumsum():
-    """G (running sums of g inside each chunk, zero past each sequence's length), G at every 8th
-    token and exp(G_last), as the intra kernel takes them, on ragged lengths and a ragged tail."""
-    b, t, h, d, padded = 3, 150, 2, 64, 192
-    g = -5.0 * jax.nn.sigmoid(jax.random.normal(jax.random.key(11), (b, t, h, d)))
-    lengths = np.array([150, 1, 70])
-    cum, marks, decay = kda_intra.gate_sums(g, jnp.asarray(lengths, jnp.int32), padded)
+GATE_SUMS = {
+    "kernel": lambda *a: kda_gates.gate_sums(*a, block=64, interpret=True),  # two column blocks per row
+    "reference": kda_gates.gate_sums_reference,
+}
+
+
+@pytest.mark.parametrize("implementation", GATE_SUMS)
+@pytest.mark.parametrize("t, lengths", [(150, [150, 1, 70]), (1, [1, 1, 0]), (128, [128, 64, 65])])
+def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths):
+    """G (running sums of g inside each chunk, zero at or past each sequence's length), G at every
+    8th token and exp(G_last), as the intra kernel takes them: ragged lengths and tails, one token."""
+    b, h, d = 3, 2, 64
+    padded = -(-t // 64) * 64
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(jax.random.key(t), (b, t, h, d)))
+    lengths = np.array(lengths)
+    cum, marks, decay = GATE_SUMS[implementation](g, jnp.asarray(lengths, jnp.int32), padded)
     x = np.where((np.arange(t) < lengths[:, None])[:, :, None, None], np.asarray(g, np.float64), 0.0)
     x = np.pad(x, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // 64, 64, h, d)
     want = np.cumsum(x, axis=2).reshape(b, padded, h, d)

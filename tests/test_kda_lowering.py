@@ -1,5 +1,8 @@
-"""The Mosaic GPU scan kernels (intra and chain) lowered for the H200 on the CPU (no GPU needed): the
-lowering checks TMA shapes, layouts and wgmma operands that the interpreter does not."""
+"""The scan's kernels (the gate sums in Triton; intra and chain in Mosaic GPU) lowered for the H200 on
+the CPU (no GPU needed; an abstract H200 stands in for Triton's target): the lowering checks TMA
+shapes, layouts, wgmma operands and Triton's block shapes, which the interpreter does not."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,5 +22,8 @@ def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
         shape((b,), jnp.int32),
     )
     scan = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16))
-    text = scan.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 2  # the intra kernel and the chain
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        text = scan.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    assert calls.count("mosaic_gpu_v2") == 2 and calls.count("__gpu$xla.gpu.triton") == 1, calls
