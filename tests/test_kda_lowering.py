@@ -1,6 +1,7 @@
-"""The scan's kernels (the gate sums in Triton; intra and chain in Mosaic GPU) lowered for the H200 on
-the CPU (no GPU needed; an abstract H200 stands in for Triton's target): the lowering checks TMA
-shapes, layouts, wgmma operands and Triton's block shapes, which the interpreter does not."""
+"""The KDA kernels (the scan's gate sums in Triton, its intra and chain kernels in Mosaic GPU; the
+decode step in Triton) lowered for the H200 on the CPU (no GPU needed; an abstract H200 stands in
+for Triton's target): the lowering checks TMA shapes, layouts, wgmma operands and Triton's block
+shapes, which the interpreter does not."""
 
 import re
 
@@ -8,7 +9,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import kda_chain
+from pallas_kernels import kda, kda_chain
+
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+
+
+def lowered_calls(fn, *args):
+    """The custom calls of `fn` lowered for the H200."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"custom_call @([\w$.]+)", text)
 
 
 @pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128)])
@@ -21,9 +31,12 @@ def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
         shape((b, h, d, d), jnp.float32),
         shape((b,), jnp.int32),
     )
-    scan = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16))
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        text = scan.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    calls = lowered_calls(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16), *args)
     assert calls.count("mosaic_gpu_v2") == 2 and calls.count("__gpu$xla.gpu.triton") == 1, calls
+
+
+@pytest.mark.parametrize("b, h, d", [(1, 64, 128), (256, 64, 128), (3, 2, 64), (2, 4, 16)])
+def test_decode_step_lowers_for_the_gpu(b, h, d):
+    args = jax.eval_shape(lambda: kda.random_decode_inputs(jax.random.key(0), b, h, d))
+    step = lambda x: kda.kda_decode_step(**x, lower_bound=-5.0, implementation="pallas")  # noqa: E731
+    assert lowered_calls(step, args) == ["__gpu$xla.gpu.triton"]
