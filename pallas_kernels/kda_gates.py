@@ -5,6 +5,7 @@ each 64-token chunk, with G at every 8th token (the intra kernel's reference tok
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +29,13 @@ def gate_sums(g, lengths, padded, *, block=256, num_warps=4, interpret=False):
     """G [B, T', H, dk] fp32, zero-extended past each sequence's length; G at every 8th token
     [B, T' / 8, H, dk]; exp(G_last) [B, H, T' / 64, dk]. g [B, T, H, dk] (natural-log decays),
     lengths [B] int32 (<= T), T' = `padded` (T rounded up to whole chunks). Each program sums a
-    [64, block] tile of the [T, H dk] gates of one sequence."""
+    [64, block'] tile of the [T, H dk] gates of one sequence, block' the widest power of two up to
+    `block` that divides H dk (Triton's blocks are powers of two; dk in (64, 128) makes it >= 64)."""
     b, t, h, dk = g.shape
     width = h * dk
-    block = min(block, width)
-    if width % block:
-        raise ValueError(f"block must divide H * dk = {width}, got {block}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    block = math.gcd(width, block)
     cum = pl.pallas_call(
         functools.partial(_gate_sums_kernel, block=block),
         grid=(padded // CHUNK, width // block, b),

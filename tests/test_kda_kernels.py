@@ -92,17 +92,18 @@ def test_chunk_scan_ragged_lengths_in_one_batch():
 
 
 GATE_SUMS = {
-    "kernel": lambda *a: kda_gates.gate_sums(*a, block=64, interpret=True),  # two column blocks per row
+    "kernel": lambda *a: kda_gates.gate_sums(*a, interpret=True),
     "reference": kda_gates.gate_sums_reference,
 }
 
 
 @pytest.mark.parametrize("implementation", GATE_SUMS)
 @pytest.mark.parametrize("t, lengths", [(150, [150, 1, 70]), (1, [1, 1, 0]), (128, [128, 64, 65])])
-def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths):
+@pytest.mark.parametrize("h", [2, 3])  # H dk = 128: one column block; 192: three of 64
+def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
     """G (running sums of g inside each chunk, zero at or past each sequence's length), G at every
     8th token and exp(G_last), as the intra kernel takes them: ragged lengths and tails, one token."""
-    b, h, d = 3, 2, 64
+    b, d = 3, 64
     padded = -(-t // 64) * 64
     g = -5.0 * jax.nn.sigmoid(jax.random.normal(jax.random.key(t), (b, t, h, d)))
     lengths = np.array(lengths)

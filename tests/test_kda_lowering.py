@@ -21,7 +21,7 @@ def lowered_calls(fn, *args):
     return re.findall(r"custom_call @([\w$.]+)", text)
 
 
-@pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128)])
+@pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128), (1, 70, 3, 64), (1, 70, 5, 64)])
 def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
     shape = jax.ShapeDtypeStruct
     args = (
