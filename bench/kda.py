@@ -182,8 +182,8 @@ def bench_prefill(configs):
 
 
 def intra_ms(q, k, v, g, beta, interpret=False):
-    """Per-call time of the parallel half alone (XLA's cumsum of the gates, then the intra kernel):
-    the rest of the scan's time is the serial chain."""
+    """Per-call time of the parallel half alone (the gate sums, then the intra kernel): the rest of
+    the scan's time is the serial chain."""
     b, t = q.shape[:2]
     lengths = jnp.full((b,), t, jnp.int32)
     fn = jax.jit(lambda q, k, v, g, beta: kda_intra.intra(
@@ -195,7 +195,7 @@ def split_timing(q, k, v, g, beta, shape):
     b, t, h, d = q.shape
     try:
         ms = intra_ms(q, k, v, g, beta, INTERPRET)
-        # XLA's chunk_cumsum reads g and writes G (fp32); the kernel reads q (twice), k, v (bf16), G, G at
+        # The gate sums read g and write G (fp32); the intra kernel reads q (twice), k, v (bf16), G, G at
         # every 8th token, beta and writes w (bf16), u, A_qk u, q_w and k exp(G_last - G) (bf16 halves)
         byts = b * t * h * (2 * 4 * d + 4 * 2 * d + 4 * d + 4 * d // 8 + 4 + 2 * d + 4 * 4 * d)
         log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e6:.0f} GB/s of its {byts / 1e9:.2f} GB)")

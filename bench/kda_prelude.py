@@ -1,8 +1,9 @@
 """The scan's first stage (`kda_gates.gate_sums`: G, the running sum of g inside each 64-token chunk;
 G at every 8th token; exp(G_last)) at the three prefill shapes: the Triton kernel in several launch
-shapes against formulations in XLA. Median ms per call of 20 jitted calls dispatched back to back
-(every output returned, so every element is computed), GB/s of the bytes that must move (g read; G, G at every 8th token
-and exp(G_last) written), and each one's largest error against a float64 cumsum on the host.
+shapes against formulations in XLA (jnp.cumsum is a 64-wide reduce-window there). Median ms per
+call of 20 jitted calls dispatched back to back (every output returned, so every element is
+computed), GB/s of the bytes that must move (g read; G, G at every 8th token and exp(G_last)
+written), and each one's largest error against a float64 cumsum on the host.
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_prelude.py [--interpret]
 
@@ -23,25 +24,19 @@ from pallas_kernels import kda_gates
 C, MARK = kda_gates.CHUNK, kda_gates.MARK
 
 
-def by_product(g, lengths, padded):
-    """G as a product with tril(ones) at fp32 precision."""
-    ones = jnp.tril(jnp.ones((C, C), jnp.float32))
-    x = kda_gates.gates_by_chunk(g, lengths, padded)
-    cum = jnp.einsum("ij,bnjx->bnix", ones, x, precision=lax.Precision.HIGHEST).reshape(g.shape[0], padded, *g.shape[2:])
-    return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
+def in_xla(cumsum):
+    """gate_sums with `cumsum` over each chunk's 64 tokens (axis 2 of `gates_by_chunk`)."""
+
+    def gate_sums(g, lengths, padded):
+        cum = cumsum(kda_gates.gates_by_chunk(g, lengths, padded))
+        return kda_gates.marks_and_decay(cum.reshape(g.shape[0], padded, *g.shape[2:]))
+
+    return gate_sums
 
 
-def by_reduce_window(g, lengths, padded):
-    """jnp.cumsum over the chunk's 64 tokens (XLA: a 64-wide reduce-window)."""
-    cum = jnp.cumsum(kda_gates.gates_by_chunk(g, lengths, padded), axis=2).reshape(g.shape[0], padded, *g.shape[2:])
-    return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
-
-
-def by_associative_scan(g, lengths, padded):
-    """lax.associative_scan over the chunk's 64 tokens."""
-    cum = lax.associative_scan(jnp.add, kda_gates.gates_by_chunk(g, lengths, padded), axis=2)
-    cum = cum.reshape(g.shape[0], padded, *g.shape[2:])
-    return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, C - 1 :: C], 1, 2))
+def by_product(x):
+    """A product with tril(ones) at fp32 precision."""
+    return jnp.einsum("ij,bnjx->bnix", jnp.tril(jnp.ones((C, C), jnp.float32)), x, precision=lax.Precision.HIGHEST)
 
 
 def kernels(launch_shapes, interpret=False):
@@ -55,9 +50,9 @@ def kernels(launch_shapes, interpret=False):
 
 XLA_FORMULATIONS = {
     "two levels (gate_sums_reference)": kda_gates.gate_sums_reference,
-    "tril product": by_product,
-    "reduce-window": by_reduce_window,
-    "associative scan": by_associative_scan,
+    "tril product": in_xla(by_product),
+    "reduce-window": in_xla(lambda x: jnp.cumsum(x, axis=2)),
+    "associative scan": in_xla(lambda x: lax.associative_scan(jnp.add, x, axis=2)),
 }
 
 

@@ -44,7 +44,7 @@ def gate_sums(g, lengths, padded, *, block=256, num_warps=4, interpret=False):
         interpret=interpret,
         name="kda_gate_sums",
     )(lengths, g.reshape(b, t, width))
-    return _marks_and_decay(cum.reshape(b, padded, h, dk))
+    return marks_and_decay(cum.reshape(b, padded, h, dk))
 
 
 def gate_sums_reference(g, lengths, padded):
@@ -55,10 +55,11 @@ def gate_sums_reference(g, lengths, padded):
     inner = jnp.cumsum(x, axis=3)
     totals = jnp.cumsum(inner[:, :, :, -1], axis=2)  # G at every 8th token
     before = jnp.pad(totals[:, :, :-1], [(0, 0), (0, 0), (1, 0), (0, 0)])  # the earlier blocks' total
-    return _marks_and_decay((inner + before[:, :, :, None]).reshape(b, padded, h, dk))
+    return marks_and_decay((inner + before[:, :, :, None]).reshape(b, padded, h, dk))
 
 
-def _marks_and_decay(cum):
+def marks_and_decay(cum):
+    """(G, G at every 8th token, exp(G_last) [B, H, T' / 64, dk]) from G [B, T', H, dk]."""
     return cum, cum[:, MARK - 1 :: MARK], jnp.exp(jnp.swapaxes(cum[:, CHUNK - 1 :: CHUNK], 1, 2))
 
 
