@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import relative_error
 
-from pallas_kernels import kda, kda_gates
+from pallas_kernels import kda, kda_chain, kda_gates
 
 TOLERANCE = 2e-3
 
@@ -114,6 +114,30 @@ def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
     assert cum.shape == (b, padded, h, d) and np.abs(np.asarray(cum) - want).max() < 1e-4  # |G| <= 320
     np.testing.assert_allclose(marks, want[:, 7::8], rtol=0, atol=1e-4)
     np.testing.assert_allclose(decay, np.exp(np.swapaxes(want[:, 63::64], 1, 2)), rtol=1e-4, atol=1e-37)
+
+
+@pytest.mark.parametrize("b, t, h, d", [(2, 200, 2, 64), (1, 130, 1, 128)])
+def test_chain_with_one_slot_matches_two_slots(b, t, h, d):
+    """The chain's one-slot form (tiles fetched after each chunk, buffers shared, for two CTAs per
+    SM) computes what the two-slot form does, bit for bit, and both match the reference."""
+    q, k, v, g, beta = scan_inputs(12, b, t, h, d)
+    s0 = jax.random.normal(jax.random.key(12), (b, h, d, d))
+    lengths = jnp.array([t, t - 61][:b], jnp.int32)
+    args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, lengths)
+    o1, s1 = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=1, interpret=True)
+    o2, s2 = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=2, interpret=True)
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+    np.testing.assert_array_equal(s1, s2)
+    o_ref, s_ref = kda.kda_chunk_scan_reference(q, k, v, g, beta, s0, lengths=lengths)
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert relative_error(np.asarray(o1[:, :t], np.float32)[valid], np.asarray(o_ref)[valid]) < 4e-3  # bf16 o
+    assert relative_error(s1, s_ref) < TOLERANCE
+
+
+def test_chain_one_slot_refuses_an_fp32_output():
+    parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
+        kda_chain.chain(*parts, out_dtype=jnp.float32, slots=1)
 
 
 def test_lengths_in_the_reference_stop_each_sequence_at_its_own_end():
