@@ -99,7 +99,7 @@ GATE_SUMS = {
 
 @pytest.mark.parametrize("implementation", GATE_SUMS)
 @pytest.mark.parametrize("t, lengths", [(150, [150, 1, 70]), (1, [1, 1, 0]), (128, [128, 64, 65])])
-@pytest.mark.parametrize("h", [2, 3])  # H dk = 128: one column block; 192: three of 64
+@pytest.mark.parametrize("h", [2, 3])  # H dk = 128: one column block; 192: two of 128 (padded)
 def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
     """G (running sums of g inside each chunk, zero at or past each sequence's length), G at every
     8th token and exp(G_last), as the intra kernel takes them: ragged lengths and tails, one token."""
@@ -111,8 +111,9 @@ def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
     x = np.where((np.arange(t) < lengths[:, None])[:, :, None, None], np.asarray(g, np.float64), 0.0)
     x = np.pad(x, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // 64, 64, h, d)
     want = np.cumsum(x, axis=2).reshape(b, padded, h, d)
-    assert cum.shape == (b, padded, h, d) and np.abs(np.asarray(cum) - want).max() < 1e-4  # |G| <= 320
-    np.testing.assert_allclose(marks, want[:, 7::8], rtol=0, atol=1e-4)
+    # Running fp32 sums of up to 64 gates in [-5, 0]: a few fp32 ulps of |G| <= 320 (3e-5 each)
+    assert cum.shape == (b, padded, h, d) and np.abs(np.asarray(cum) - want).max() < 2e-4
+    np.testing.assert_allclose(marks, want[:, 7::8], rtol=0, atol=2e-4)
     np.testing.assert_allclose(decay, np.exp(np.swapaxes(want[:, 63::64], 1, 2)), rtol=1e-4, atol=1e-37)
 
 
