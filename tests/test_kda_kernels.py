@@ -99,7 +99,7 @@ GATE_SUMS = {
 
 @pytest.mark.parametrize("implementation", GATE_SUMS)
 @pytest.mark.parametrize("t, lengths", [(150, [150, 1, 70]), (1, [1, 1, 0]), (128, [128, 64, 65])])
-@pytest.mark.parametrize("h", [2, 3])  # H dk = 128: one column block; 192: two of 128 (padded)
+@pytest.mark.parametrize("h", [2, 3])  # H dk = 128: one tile of 128 columns; 192: padded to one of 256
 def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
     """G (running sums of g inside each chunk, zero at or past each sequence's length), G at every
     8th token and exp(G_last), as the intra kernel takes them: ragged lengths and tails, one token."""
