@@ -28,13 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import kda, kda_chain, kda_intra, kda_triton
+from pallas_kernels import kda, kda_intra, kda_triton
 
 PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
 DECODE_BATCHES = [1, 64, 256]
-CONFIGS = {  # value columns per program of the serial chain; "default" is kda_chain.BLOCK_V
-    "default": kda_chain.BLOCK_V,
-    "v16": 16,
+CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns per program, buffering
+    "default": {},
+    "v16": {"block_v": 16},
+    "slots1": {"slots": 1},  # two CTAs per SM, each chunk's tiles fetched after the previous one
+    "slots2": {"slots": 2},  # one CTA per SM, the next chunk's tiles in flight
 }
 DECODE_VARIANTS = [(64, 4)]  # (block_v, num_warps)
 ROWS = []  # (section, name, shape, error, ms, note)
@@ -156,14 +158,14 @@ def bench_prefill(configs):
         ROWS.append(("prefill", "reference rounded to bf16 (floor for bf16 o)", shape, floor, float("nan"), ""))
         for name, cfg in configs.items():
             try:
-                fn = jax.jit(lambda q, k, v, g, beta, cfg=cfg: kda.kda_chunk_scan(q, k, v, g, beta, implementation="pallas", block_v=cfg, interpret=INTERPRET))
+                fn = jax.jit(lambda q, k, v, g, beta, cfg=cfg: kda.kda_chunk_scan(q, k, v, g, beta, implementation="pallas", interpret=INTERPRET, **cfg))
                 t0 = time.perf_counter()
                 o, s = fn(q, k, v, g, beta)
                 err = max(relative_error(o, o_ref), relative_error(s, s_ref))
                 compile_s = time.perf_counter() - t0
 
                 def step(c, cfg=cfg):
-                    o, s = kda.kda_chunk_scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, implementation="pallas", block_v=cfg, interpret=INTERPRET)
+                    o, s = kda.kda_chunk_scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, implementation="pallas", interpret=INTERPRET, **cfg)
                     return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
 
                 ms = dispatched_ms(fn, q, k, v, g, beta)

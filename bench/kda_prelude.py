@@ -1,6 +1,6 @@
 """The scan's first stage (`kda_gates.gate_sums`: G, the running sum of g inside each 64-token chunk;
-G at every 8th token; exp(G_last)) at the three prefill shapes: the Triton kernel in several launch
-shapes against formulations in XLA (jnp.cumsum is a 64-wide reduce-window there). Median ms per
+G at every 8th token; exp(G_last)) at the three prefill shapes: the kernel in several tile widths
+against formulations in XLA (jnp.cumsum is a 64-wide reduce-window there). Median ms per
 call of 20 jitted calls dispatched back to back (every output returned, so every element is
 computed), GB/s of the bytes that must move (g read; G, G at every 8th token and exp(G_last)
 written), and each one's largest error against a float64 cumsum on the host.
@@ -39,13 +39,8 @@ def by_product(x):
     return jnp.einsum("ij,bnjx->bnix", jnp.tril(jnp.ones((C, C), jnp.float32)), x, precision=lax.Precision.HIGHEST)
 
 
-def kernels(launch_shapes, interpret=False):
-    return {
-        f"kernel, block {block}, {warps} warps": functools.partial(
-            kda_gates.gate_sums, block=block, num_warps=warps, interpret=interpret
-        )
-        for block, warps in launch_shapes
-    }
+def kernels(blocks, interpret=False):
+    return {f"kernel, block {block}": functools.partial(kda_gates.gate_sums, block=block, interpret=interpret) for block in blocks}
 
 
 XLA_FORMULATIONS = {
@@ -61,8 +56,7 @@ def main():
     parser.add_argument("--interpret", action="store_true")
     interpret = parser.parse_args().interpret
     shapes = [(2, 200, 3, 64)] if interpret else [s[:4] for s in bench.PREFILL_SHAPES]
-    launch_shapes = [(64, 4)] if interpret else [(256, 4), (128, 4), (512, 4), (512, 8), (1024, 8)]
-    formulations = {**kernels(launch_shapes, interpret), **XLA_FORMULATIONS}
+    formulations = {**kernels([128] if interpret else [128, 256], interpret), **XLA_FORMULATIONS}
     bench.log("| (B, T, H, D) | formulation | ms | GB/s | max abs error (G, marks, exp(G_last)) |")
     bench.log("| --- | --- | --- | --- | --- |")
     for b, t, h, d in shapes:

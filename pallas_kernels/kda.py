@@ -249,12 +249,13 @@ def _scan_unsupported(q, v, chunk_size):
 
 def kda_chunk_scan(
     q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, implementation=None, interpret=False,
-    block_v=kda_chain.BLOCK_V,
+    block_v=kda_chain.BLOCK_V, slots=None,
 ):
     """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
 
     `implementation` None / "reference" / "pallas" (see the module docstring), `interpret` runs the
-    Pallas kernels in the interpreter, `block_v` the value columns per program of the serial chain. The Pallas scan
+    Pallas kernels in the interpreter, `block_v` the value columns per program of the serial chain and
+    `slots` its buffering (`kda_chain.chunk_scan`). The Pallas scan
     multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
     """
     _check_inputs(q, k, v, g, beta, initial_state, lengths)
@@ -267,7 +268,8 @@ def kda_chunk_scan(
     bf16 = jnp.bfloat16
     o, state = kda_chain.chunk_scan(
         q.astype(bf16), k.astype(bf16), v.astype(bf16), g.astype(jnp.float32), beta,
-        initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, block_v=block_v, interpret=interpret,
+        initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, block_v=block_v, slots=slots,
+        interpret=interpret,
     )
     return o[:, :t], state
 

@@ -41,15 +41,18 @@ def _pair_value(hi_ref, lo_ref):
 def _chain_kernel(
     w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
     o_ref, s_ref,
-    w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, v_halves, o_s, decay_s,
+    w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, own,
     arrived,
     *, n_chunks,
 ):
     c = CHUNK
     vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
-    block_v = u_hi_s.shape[-1]
+    slots, _, block_v = u_hi_s.shape
     dk = w_s.shape[-1]
     cols = pl.ds(vb * block_v, block_v)
+    # With one slot, v_new's halves take u's buffers (u is in registers by then) and o takes A_qk u's
+    # hi buffer, so that the kernel fits two CTAs per SM.
+    v_halves, o_s = own if own else ((u_hi_s.at[0], u_lo_s.at[0]), au_hi_s.at[0])
 
     def fetch(n, slot):
         tokens = pl.ds(n * c, c)
@@ -57,18 +60,20 @@ def _chain_kernel(
             plgpu.copy_gmem_to_smem(src.at[b, h, tokens], dst.at[slot], arrived.at[slot])
         for src, dst in ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s), (au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s)):
             plgpu.copy_gmem_to_smem(src.at[b, h, tokens, cols], dst.at[slot], arrived.at[slot])
-        plgpu.copy_gmem_to_smem(decay_ref.at[b, h, n], decay_s.at[slot], arrived.at[slot])
 
     fetch(0, 0)
 
     def step(n, s):
-        slot = lax.rem(n, 2)
-        plgpu.commit_smem()  # every thread is done with the previous chunk's buffers
+        slot = lax.rem(n, slots)
+        if slots == 2:  # the next chunk's tiles come in while this one is worked on
+            plgpu.commit_smem()  # every thread is done with the previous chunk's buffers
 
-        @pl.when(n + 1 < n_chunks)
-        def _():
-            fetch(n + 1, 1 - slot)
+            @pl.when(n + 1 < n_chunks)
+            def _():
+                fetch(n + 1, 1 - slot)
 
+        # exp(G_last) straight from HBM into registers (no SMEM), loaded early to hide the latency
+        decay = _load(decay_ref.at[b, h, n], _ROW, optimized=False)
         plgpu.barrier_wait(arrived.at[slot])
         s_hi, s_lo = _split(s)
         s_halves[0][...] = s_hi
@@ -90,8 +95,15 @@ def _chain_kernel(
         plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, cols])
         kd_hi, kd_lo = kd_hi_s.at[slot].T, kd_lo_s.at[slot].T  # [dk, 64]: channels as rows
         written = _matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])])
-        decay = lax.broadcast_in_dim(_load(decay_s.at[slot], _ROW, optimized=False), (dk, block_v), [0])
-        return s * decay + written
+        if slots == 1:  # the next chunk's tiles come in now: the other CTA on the SM works meanwhile
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o is read out of A_qk u's buffer
+            plgpu.commit_smem()  # every thread is done with this chunk's buffers
+
+            @pl.when(n + 1 < n_chunks)
+            def _():
+                fetch(n + 1, 0)
+
+        return s * lax.broadcast_in_dim(decay, (dk, block_v), [0]) + written
 
     s = lax.fori_loop(0, n_chunks, step, _load(s0_ref.at[b, h, :, cols], optimized=False))
     s_ref.at[b, h, :, cols][...] = s
@@ -100,14 +112,24 @@ def _chain_kernel(
 
 def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
-    interpret=False,
+    slots=2, interpret=False,
 ):
     """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
-    outputs and the fp32 initial state [B, H, dk, dv]."""
+    outputs and the fp32 initial state [B, H, dk, dv]. `slots`: 2 brings each chunk's tiles in while
+    the previous chunk is worked on (one CTA per SM at dk = 128); 1 brings them in after it, in 112 KB
+    of SMEM so that two CTAs share an SM (bf16 o only)."""
     b, h, padded, dk = w.shape
     dv = u_hi.shape[-1]
     block_v = min(block_v, dv)
     c = CHUNK
+    if slots not in (1, 2):
+        raise ValueError(f"slots must be 1 or 2, got {slots}")
+    if slots == 1 and jnp.dtype(out_dtype) != jnp.bfloat16:
+        raise ValueError(f"slots=1 writes o through a bf16 buffer: out_dtype must be bfloat16, got {out_dtype}")
+    own = () if slots == 1 else (
+        tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
+        _operand_smem((c, block_v), out_dtype),  # o on its way out
+    )
     kernel = plgpu.kernel(
         functools.partial(_chain_kernel, n_chunks=padded // c),
         out_type=(
@@ -117,13 +139,11 @@ def chain(
         grid=(dv // block_v, h, b),
         grid_names=("v", "h", "b"),
         scratch_types=(
-            *(_key_smem((2, c, dk), block_v) for _ in range(5)),  # w, q_w hi/lo, k exp(G_last - G) hi/lo
-            *(_key_smem((2, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
+            *(_key_smem((slots, c, dk), block_v) for _ in range(5)),  # w, q_w hi/lo, k exp(G_last - G) hi/lo
+            *(_key_smem((slots, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
             tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
-            tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
-            _operand_smem((c, block_v), out_dtype),  # o on its way out
-            plgpu.SMEM((2, dk), _F32),  # exp(G_last); unswizzled buffers after the swizzled ones
-            plgpu.Barrier(num_arrivals=10, num_barriers=2),
+            own,
+            plgpu.Barrier(num_arrivals=9, num_barriers=slots),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -132,10 +152,18 @@ def chain(
     return kernel(w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state)
 
 
-def chunk_scan(q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, interpret=False):
+def chunk_scan(
+    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, interpret=False,
+):
     """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
     kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
     `lengths` int32 [B]. Returns o [B, T', H, d] in `out_dtype` (T' = T rounded up to whole chunks;
-    rows past T are meaningless) and the final state."""
+    rows past T are meaningless) and the final state. `slots` None picks one slot (two CTAs per SM)
+    when the chain's grid has more CTAs than the GPU has SMs and o is bf16, else two."""
     parts = kda_intra.intra(q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, interpret=interpret)
-    return chain(*parts, initial_state, out_dtype=out_dtype, block_v=block_v, interpret=interpret)
+    if slots is None:
+        b, _, h, dv = v.shape
+        ctas = b * h * dv // min(block_v, dv)
+        sms = getattr(jax.devices()[0], "core_count", None) or 132
+        slots = 1 if ctas > sms and jnp.dtype(out_dtype) == jnp.bfloat16 else 2
+    return chain(*parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, interpret=interpret)

@@ -211,7 +211,9 @@ def _intra_kernel(
             key_rows = (i == 0) | ~query_rows
 
             def products(acc_qk, acc_kk):
-                for cols in blocks:  # the pairs are rewritten per block, once the products have read them
+                @pl.loop(0, dk // BLOCK_K)  # a loop, not unrolled: code size (see the module's docstring)
+                def _(j):  # the pairs are rewritten per block, once the products have read them
+                    cols = pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)
                     exponent = cum(cols) - reference(i, cols)
                     _store_split(k(cols, k_scale) * jnp.where(key_rows, jnp.exp(-exponent), 0.0), key_pair)
                     query_factor = jnp.where(query_rows, jnp.exp(exponent), 0.0)
@@ -220,6 +222,7 @@ def _intra_kernel(
                         for x, y in ((0, 0), (0, 1), (1, 0)):
                             plgpu.wgmma(acc, left_pair[x], keys[y])
                         plgpu.wgmma_wait(0)
+
                 return acc_qk[...], acc_kk[...]
 
             qk, kk = pl.run_scoped(products, plgpu.ACC(square, _F32), plgpu.ACC(square, _F32))
@@ -257,9 +260,12 @@ def _intra_kernel(
         t = _unit_lower_inverse(a_kk, pair_a, pair_b) * cols_of(_load(beta_s, _COL))
         _store_split(t, pair_b)  # T_b: the left operand of w and u
 
-        for cols in blocks:  # k's block is read into pair_a before w's block takes its place
+        @pl.loop(0, dk // BLOCK_K)
+        def _(j):  # k's block is read into pair_a before w's block takes its place
+            cols = pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)
             _store_split(k(cols, k_scale) * jnp.exp(cum(cols)), pair_a)
             k_s.at[:, cols][...] = _precise((c, BLOCK_K), pair_b, pair_a).astype(_BF16)
+
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import relative_error
 
-from pallas_kernels import kda, kda_gates
+from pallas_kernels import kda, kda_chain, kda_gates
 
 TOLERANCE = 2e-3
 
@@ -99,7 +99,7 @@ GATE_SUMS = {
 
 @pytest.mark.parametrize("implementation", GATE_SUMS)
 @pytest.mark.parametrize("t, lengths", [(150, [150, 1, 70]), (1, [1, 1, 0]), (128, [128, 64, 65])])
-@pytest.mark.parametrize("h", [2, 3])  # H dk = 128: one column block; 192: three of 64
+@pytest.mark.parametrize("h", [2, 3])  # H dk = 128: one tile of 128 columns; 192: padded to one of 256
 def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
     """G (running sums of g inside each chunk, zero at or past each sequence's length), G at every
     8th token and exp(G_last), as the intra kernel takes them: ragged lengths and tails, one token."""
@@ -111,9 +111,34 @@ def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
     x = np.where((np.arange(t) < lengths[:, None])[:, :, None, None], np.asarray(g, np.float64), 0.0)
     x = np.pad(x, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // 64, 64, h, d)
     want = np.cumsum(x, axis=2).reshape(b, padded, h, d)
-    assert cum.shape == (b, padded, h, d) and np.abs(np.asarray(cum) - want).max() < 1e-4  # |G| <= 320
-    np.testing.assert_allclose(marks, want[:, 7::8], rtol=0, atol=1e-4)
+    # Running fp32 sums of up to 64 gates in [-5, 0]: a few fp32 ulps of |G| <= 320 (3e-5 each)
+    assert cum.shape == (b, padded, h, d) and np.abs(np.asarray(cum) - want).max() < 2e-4
+    np.testing.assert_allclose(marks, want[:, 7::8], rtol=0, atol=2e-4)
     np.testing.assert_allclose(decay, np.exp(np.swapaxes(want[:, 63::64], 1, 2)), rtol=1e-4, atol=1e-37)
+
+
+@pytest.mark.parametrize("b, t, h, d", [(2, 200, 2, 64), (1, 130, 1, 128)])
+def test_chain_with_one_slot_matches_two_slots(b, t, h, d):
+    """The chain's one-slot form (tiles fetched after each chunk, buffers shared, for two CTAs per
+    SM) computes what the two-slot form does, bit for bit, and both match the reference."""
+    q, k, v, g, beta = scan_inputs(12, b, t, h, d)
+    s0 = jax.random.normal(jax.random.key(12), (b, h, d, d))
+    lengths = jnp.array([t, t - 61][:b], jnp.int32)
+    args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, lengths)
+    o1, s1 = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=1, interpret=True)
+    o2, s2 = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=2, interpret=True)
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+    np.testing.assert_array_equal(s1, s2)
+    o_ref, s_ref = kda.kda_chunk_scan_reference(q, k, v, g, beta, s0, lengths=lengths)
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    assert relative_error(np.asarray(o1[:, :t], np.float32)[valid], np.asarray(o_ref)[valid]) < 4e-3  # bf16 o
+    assert relative_error(s1, s_ref) < TOLERANCE
+
+
+def test_chain_one_slot_refuses_an_fp32_output():
+    parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
+        kda_chain.chain(*parts, out_dtype=jnp.float32, slots=1)
 
 
 def test_lengths_in_the_reference_stop_each_sequence_at_its_own_end():
