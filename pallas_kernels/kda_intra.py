@@ -252,50 +252,62 @@ def _intra_kernel(
         scores_and_kd, _operand_smem((c, dk)), pair_smem(), pair_smem(), plgpu.SMEM((_MARKS, dk), _F32)
     )
 
-    def wy_products(v_blocks, pair_a, pair_b):
+    def wy_products(v_s, halves_hi, halves_lo):
         """w = T_b (k exp(G)), u = T_b v, A_qk u and q_w = q exp(G) - A_qk w, T_b = T diag(beta); v
-        arrives while T is computed."""
-        for cols, v_block in zip(blocks, v_blocks):
-            plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_block, v_loaded)
+        arrives while T is computed. `halves_hi` and `halves_lo` hold two (hi, lo) pairs of [64, 64]
+        operands: pair 0 and pair 1 serve the inverse and T_b, then carry channel block j's outputs."""
+        pair = lambda j: (halves_hi.at[j], halves_lo.at[j])  # noqa: E731
+        pair_a, pair_b = pair(0), pair(1)
+        for j, cols in enumerate(blocks):
+            plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_s.at[j], v_loaded)
         t = _unit_lower_inverse(a_kk, pair_a, pair_b) * cols_of(_load(beta_s, _COL))
         _store_split(t, pair_b)  # T_b: the left operand of w and u
 
-        @pl.loop(0, dk // BLOCK_K)
-        def _(j):  # k's block is read into pair_a before w's block takes its place
-            cols = pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)
+        def block_loop(body):  # a loop over the channel blocks, not unrolled: code size
+            pl.loop(0, len(blocks))(lambda j: body(j, pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)))
+
+        def send(j, cols, value, hi_ref, lo_ref):  # block j's output through pair j
+            _store_split(value, pair(j))
+            plgpu.copy_smem_to_gmem(halves_hi.at[j], hi_ref.at[b, h, tokens, cols])
+            plgpu.copy_smem_to_gmem(halves_lo.at[j], lo_ref.at[b, h, tokens, cols])
+
+        @block_loop
+        def _(j, cols):  # k's block is read into pair_a before w's block takes its place
             _store_split(k(cols, k_scale) * jnp.exp(cum(cols)), pair_a)
             k_s.at[:, cols][...] = _precise((c, BLOCK_K), pair_b, pair_a).astype(_BF16)
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
-
         plgpu.barrier_wait(v_loaded)
-        u = [_matmul((c, BLOCK_K), [(pair_b[0], v_block), (pair_b[1], v_block)]) for v_block in v_blocks[: len(blocks)]]
-        a_pair = v_blocks[:2]  # v has been read: its buffers take A_qk's halves
+
+        @block_loop
+        def _(j, cols):  # T_b is read before pair 1 takes u's last block
+            send(j, cols, _matmul((c, BLOCK_K), [(pair_b[0], v_s.at[j]), (pair_b[1], v_s.at[j])]), u_hi_ref, u_lo_ref)
+
+        a_pair = (v_s.at[0], v_s.at[1])  # v has been read: its buffers take A_qk's halves
         _store_split(a_qk, a_pair)
-        outs = (pair_a, pair_b)  # u, then A_qk u, then q_w on their way out, a block per pair
 
-        def send(values, hi_ref, lo_ref):
-            for cols, value, pair in zip(blocks, values, outs):
-                _store_split(value, pair)
-                plgpu.copy_smem_to_gmem(pair[0], hi_ref.at[b, h, tokens, cols])
-                plgpu.copy_smem_to_gmem(pair[1], lo_ref.at[b, h, tokens, cols])
+        @block_loop
+        def _(j, cols):
+            au = _precise((c, BLOCK_K), a_pair, pair(j))  # A_qk u from u's halves on their way out
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # u's halves are read
+            send(j, cols, au, au_hi_ref, au_lo_ref)
 
-        send(u, u_hi_ref, u_lo_ref)
-        au = [_precise((c, BLOCK_K), a_pair, pair) for pair in outs[: len(blocks)]]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # u's pairs are read
-        send(au, au_hi_ref, au_lo_ref)
-        a_w = [_matmul((c, BLOCK_K), [(a_pair[0], k_s.at[:, cols]), (a_pair[1], k_s.at[:, cols])]) for cols in blocks]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # A_qk u's pairs are read: q comes back into pair_a
-        for cols, q_block in zip(blocks, pair_a):
-            plgpu.copy_gmem_to_smem(q_ref.at[b, tokens, h, cols], q_block, q_loaded)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # A_qk u's halves are read: q comes back
+        for j, cols in enumerate(blocks):
+            plgpu.copy_gmem_to_smem(q_ref.at[b, tokens, h, cols], halves_lo.at[j], q_loaded)
         plgpu.barrier_wait(q_loaded)
-        q_exp = [_load(q_block).astype(_F32) * rows_of(q_scale) * jnp.exp(cum(cols)) for cols, q_block in zip(blocks, pair_a)]
-        send([x - y for x, y in zip(q_exp, a_w)], qw_hi_ref, qw_lo_ref)  # bf16 halves, the chain's left operand
+
+        @block_loop
+        def _(j, cols):  # q_w's halves take the place of q's block, once it is in registers
+            a_w = _matmul((c, BLOCK_K), [(a_pair[0], k_s.at[:, cols]), (a_pair[1], k_s.at[:, cols])])
+            q_exp = _load(halves_lo.at[j]).astype(_F32) * rows_of(q_scale) * jnp.exp(cum(cols))
+            send(j, cols, q_exp - a_w, qw_hi_ref, qw_lo_ref)  # bf16 halves, the chain's left operand
+
         plgpu.wait_smem_to_gmem(0)
 
-    v_blocks = tuple(_operand_smem(square) for _ in range(max(2, len(blocks))))
-    pl.run_scoped(wy_products, v_blocks, pair_smem(), pair_smem())
+    halves = (2, c, c)
+    pl.run_scoped(wy_products, _operand_smem(halves), _operand_smem(halves), _operand_smem(halves))
 
 
 def intra(q, k, v, g, beta, lengths, *, interpret=False):
