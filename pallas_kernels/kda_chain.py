@@ -43,7 +43,7 @@ def _chain_kernel(
     o_ref, s_ref,
     w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, own,
     arrived,
-    *, n_chunks,
+    *, n_chunks, o_products,
 ):
     c = CHUNK
     vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
@@ -56,7 +56,8 @@ def _chain_kernel(
 
     def fetch(n, slot):
         tokens = pl.ds(n * c, c)
-        for src, dst in ((w_ref, w_s), (qw_hi_ref, qw_hi_s), (qw_lo_ref, qw_lo_s), (kd_hi_ref, kd_hi_s), (kd_lo_ref, kd_lo_s)):
+        keys = ((w_ref, w_s), (qw_hi_ref, qw_hi_s), (kd_hi_ref, kd_hi_s), (kd_lo_ref, kd_lo_s))
+        for src, dst in keys + (((qw_lo_ref, qw_lo_s),) if o_products == 3 else ()):
             plgpu.copy_gmem_to_smem(src.at[b, h, tokens], dst.at[slot], arrived.at[slot])
         for src, dst in ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s), (au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s)):
             plgpu.copy_gmem_to_smem(src.at[b, h, tokens, cols], dst.at[slot], arrived.at[slot])
@@ -85,10 +86,11 @@ def _chain_kernel(
         v_halves[0][...] = v_hi
         v_halves[1][...] = v_lo
         plgpu.commit_smem()
-        qw_hi, qw_lo = qw_hi_s.at[slot], qw_lo_s.at[slot]
-        o = _pair_value(au_hi_s.at[slot], au_lo_s.at[slot]) + _matmul(
-            (c, block_v), [(qw_hi, s_halves[0]), (qw_hi, s_halves[1]), (qw_lo, s_halves[0])]
-        )
+        qw_hi = qw_hi_s.at[slot]
+        o_pairs = [(qw_hi, s_halves[0]), (qw_hi, s_halves[1])][:o_products]
+        if o_products == 3:
+            o_pairs.append((qw_lo_s.at[slot], s_halves[0]))
+        o = _pair_value(au_hi_s.at[slot], au_lo_s.at[slot]) + _matmul((c, block_v), o_pairs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o is read
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
@@ -112,16 +114,20 @@ def _chain_kernel(
 
 def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
-    slots=2, interpret=False,
+    slots=2, o_products=3, interpret=False,
 ):
     """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
     outputs and the fp32 initial state [B, H, dk, dv]. `slots`: 2 brings each chunk's tiles in while
     the previous chunk is worked on (one CTA per SM at dk = 128); 1 brings them in after it, in 112 KB
-    of SMEM so that two CTAs share an SM (bf16 o only)."""
+    of SMEM so that two CTAs share an SM (bf16 o only). `o_products`: q_w S as 3 bf16 products
+    (hi.hi + hi.lo + lo.hi, as precise as fp32 work to about 1e-5), 2 (q_w's hi half times S's halves)
+    or 1 (hi.hi); the state's products are always 3."""
     b, h, padded, dk = w.shape
     dv = u_hi.shape[-1]
     block_v = min(block_v, dv)
     c = CHUNK
+    if o_products not in (1, 2, 3):
+        raise ValueError(f"o_products must be 1, 2 or 3, got {o_products}")
     if slots not in (1, 2):
         raise ValueError(f"slots must be 1 or 2, got {slots}")
     if slots == 1 and jnp.dtype(out_dtype) != jnp.bfloat16:
@@ -131,7 +137,7 @@ def chain(
         _operand_smem((c, block_v), out_dtype),  # o on its way out
     )
     kernel = plgpu.kernel(
-        functools.partial(_chain_kernel, n_chunks=padded // c),
+        functools.partial(_chain_kernel, n_chunks=padded // c, o_products=o_products),
         out_type=(
             jax.ShapeDtypeStruct((b, padded, h, dv), out_dtype),
             jax.ShapeDtypeStruct((b, h, dk, dv), _F32),
@@ -139,11 +145,13 @@ def chain(
         grid=(dv // block_v, h, b),
         grid_names=("v", "h", "b"),
         scratch_types=(
-            *(_key_smem((slots, c, dk), block_v) for _ in range(5)),  # w, q_w hi/lo, k exp(G_last - G) hi/lo
+            *(_key_smem((slots, c, dk), block_v) for _ in range(2)),  # w, q_w hi
+            _key_smem((slots, c, dk), block_v) if o_products == 3 else (),  # q_w lo
+            *(_key_smem((slots, c, dk), block_v) for _ in range(2)),  # k exp(G_last - G) hi/lo
             *(_key_smem((slots, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
             tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
             own,
-            plgpu.Barrier(num_arrivals=9, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=9 if o_products == 3 else 8, num_barriers=slots),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -153,7 +161,8 @@ def chain(
 
 
 def chunk_scan(
-    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, interpret=False,
+    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, o_products=3,
+    interpret=False,
 ):
     """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
     kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
@@ -166,4 +175,7 @@ def chunk_scan(
         ctas = b * h * dv // min(block_v, dv)
         sms = getattr(jax.devices()[0], "core_count", None) or 132
         slots = 1 if ctas > sms and jnp.dtype(out_dtype) == jnp.bfloat16 else 2
-    return chain(*parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, interpret=interpret)
+    return chain(
+        *parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, o_products=o_products,
+        interpret=interpret,
+    )

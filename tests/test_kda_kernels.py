@@ -135,6 +135,25 @@ def test_chain_with_one_slot_matches_two_slots(b, t, h, d):
     assert relative_error(s1, s_ref) < TOLERANCE
 
 
+@pytest.mark.parametrize("o_products", [1, 2])
+def test_chain_with_fewer_output_products(o_products):
+    """q_w S in fewer bf16 products changes o alone: the state equals the three-product form's bit for
+    bit, and o (fp32 here, to see the products' own error) stays within bf16's precision of the
+    reference while the three-product form is far inside it."""
+    b, t, h, d = 2, 130, 2, 64
+    q, k, v, g, beta = scan_inputs(13, b, t, h, d)
+    s0 = jax.random.normal(jax.random.key(13), (b, h, d, d))
+    lengths = jnp.full((b,), t, jnp.int32)
+    args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, lengths)
+    o, s = kda_chain.chunk_scan(*args, out_dtype=jnp.float32, o_products=o_products, interpret=True)
+    o3, s3 = kda_chain.chunk_scan(*args, out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(s, s3)
+    o_ref, _ = kda.kda_chunk_scan_reference(q, k, v, g, beta, s0, lengths=lengths)
+    error, error3 = (relative_error(np.asarray(x[:, :t]), np.asarray(o_ref)) for x in (o, o3))
+    assert error3 < 1e-4 and error < 4e-3, (error, error3)
+    assert error > error3  # the products did change
+
+
 def test_chain_one_slot_refuses_an_fp32_output():
     parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
     with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
