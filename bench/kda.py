@@ -37,7 +37,7 @@ CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns 
     "v16": {"block_v": 16},
     "slots1": {"slots": 1},  # two CTAs per SM, each chunk's tiles fetched after the previous one
     "slots2": {"slots": 2},  # one CTA per SM, the next chunk's tiles in flight
-    "o2": {"o_products": 2},  # q_w S as q_w's bf16 hi half times S's halves
+    "o3": {"o_products": 3},  # q_w S in three bf16 products (the default for fp32 o; bf16 o takes 2)
     "o1": {"o_products": 1},  # q_w S as one bf16 product
 }
 DECODE_VARIANTS = [(64, 4)]  # (block_v, num_warps)
