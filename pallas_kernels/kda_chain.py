@@ -121,8 +121,9 @@ def chain(
 ):
     """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
     outputs and the fp32 initial state [B, H, dk, dv]. `slots`: 2 brings each chunk's tiles in while
-    the previous chunk is worked on (one CTA per SM at dk = 128); 1 brings them in after it, in 112 KB
-    of SMEM so that two CTAs share an SM (bf16 o only). `o_products`: q_w S as 3 bf16 products
+    the previous chunk is worked on (one CTA per SM at dk = 128: 225,280 B of SMEM by the lowering, or
+    192,512 B with two o products); 1 brings them in after it, in 114,688 B (98,304 B) so that two
+    CTAs share an SM (bf16 o only). `o_products`: q_w S as 3 bf16 products
     (hi.hi + hi.lo + lo.hi, as precise as fp32 work to about 1e-5), 2 (q_w's hi half times S's halves)
     or 1 (hi.hi); None: 3 for an fp32 o, 2 for a bf16 one (whose rounding is the larger error: on the
     H200 the output error stays at the bf16 floor and the scan is 5-7% faster). The state's products

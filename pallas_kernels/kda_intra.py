@@ -26,8 +26,9 @@ under this kernel's register pressure); every tile load is free of bank conflict
 (`optimized=True`). SMEM: k, G and beta for the whole kernel, the rest scoped per phase (q and the
 score passes' pairs; then v and the pairs of the inverse and the WY products, which reuse v's
 buffers and bring q back for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
-(202 KB and one CTA before). The repeated stages (score passes, merge steps) are loops: unrolled,
-the code outgrew the instruction cache and most cycles went to instruction fetch.
+(202 KB and one CTA before). The repeated stages (score passes, merge steps, 64-channel blocks) are
+loops: unrolled, the code outgrew the instruction cache (on the H200 the loops took the kernel from
+1.56 to 0.92 ms at (1, 16384, 16), and its cycles per issued instruction from 8.4 to 4.6).
 
 Precision: the tensor cores multiply bf16; fp32 operands are carried as two bf16 halves (hi + lo,
 16 significant bits, three products: hi.hi + hi.lo + lo.hi), which makes the kernel as accurate as
