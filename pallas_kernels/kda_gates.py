@@ -43,9 +43,10 @@ def gate_sums(g, lengths, padded, *, block=None, interpret=False):
     """G [B, T', H, dk] fp32, zero-extended past each sequence's length; G at every 8th token
     [B, T' / 8, H, dk]; exp(G_last) [B, H, T' / 64, dk]. g [B, T, H, dk] fp32 (natural-log decays),
     lengths [B] int32 (<= T), T' = `padded` (T rounded up to whole chunks). Each CTA sums a
-    [64, block] tile (block a multiple of 128, at most 256 (TMA's limit per dimension); None: 256 where
-    it divides the padded width, else 128. 64 KB of SMEM at 256, so that three CTAs share an SM and
-    keep HBM busy: 0.092 ms against 0.103 at 128 on the H200 at (1, 16384, 16))."""
+    [64, block] tile: block 128 or 256 (TMA copies at most 256 per dimension); None takes 256 where it
+    divides the padded width, else 128. The two measured within noise of each other on the H200
+    (0.092-0.103 ms at (1, 16384, 16), 2.8-3.5 TB/s at the three benchmark shapes); 32 or 64 KB of
+    SMEM, so that several CTAs share an SM and keep HBM busy."""
     b, t, h, dk = g.shape
     width = h * dk
     columns = -(-width // _THREADS) * _THREADS  # every thread owns a column: H dk = 64 is padded to 128

@@ -147,6 +147,10 @@ def _intra_kernel(
     n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
     dk = k_s.shape[1]
     blocks = [pl.ds(j * BLOCK_K, BLOCK_K) for j in range(dk // BLOCK_K)]
+
+    def block_loop(body):  # body(j, cols) over the channel blocks as a loop, not unrolled: code size
+        pl.loop(0, len(blocks))(lambda j: body(j, pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)))
+
     tokens = pl.ds(n * c, c)
     square = (c, c)
 
@@ -212,9 +216,8 @@ def _intra_kernel(
             key_rows = (i == 0) | ~query_rows
 
             def products(acc_qk, acc_kk):
-                @pl.loop(0, dk // BLOCK_K)  # a loop, not unrolled: code size (see the module's docstring)
-                def _(j):  # the pairs are rewritten per block, once the products have read them
-                    cols = pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)
+                @block_loop
+                def _(j, cols):  # the pairs are rewritten per block, once the products have read them
                     exponent = cum(cols) - reference(i, cols)
                     _store_split(k(cols, k_scale) * jnp.where(key_rows, jnp.exp(-exponent), 0.0), key_pair)
                     query_factor = jnp.where(query_rows, jnp.exp(exponent), 0.0)
@@ -263,9 +266,6 @@ def _intra_kernel(
             plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_s.at[j], v_loaded)
         t = _unit_lower_inverse(a_kk, pair_a, pair_b) * cols_of(_load(beta_s, _COL))
         _store_split(t, pair_b)  # T_b: the left operand of w and u
-
-        def block_loop(body):  # a loop over the channel blocks, not unrolled: code size
-            pl.loop(0, len(blocks))(lambda j: body(j, pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)))
 
         def send(j, cols, value, hi_ref, lo_ref):  # block j's output through pair j
             _store_split(value, pair(j))
