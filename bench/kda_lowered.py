@@ -34,15 +34,7 @@ def lowered_kernels(shape, options):
         modules.append(module.operation.get_asm(enable_debug_info=False))
         return result
 
-    b, t, h, d = shape
-    sds = jax.ShapeDtypeStruct
-    args = (
-        *(sds((b, t, h, d), jnp.bfloat16) for _ in range(3)),
-        sds((b, t, h, d), jnp.float32),
-        sds((b, t, h), jnp.float32),
-        sds((b, h, d, d), jnp.float32),
-        sds((b,), jnp.int32),
-    )
+    args = kda_chain.scan_arg_shapes(*shape)
     scan = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16, **options))
     pallas_lowering.ModuleContext.__init__, mosaic_core.lower_mgpu_module = record_request, record_module
     try:

@@ -168,6 +168,19 @@ def chain(
     return kernel(w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state)
 
 
+def scan_arg_shapes(b, t, h, d):
+    """The shapes and dtypes `chunk_scan` takes (q, k, v, g, beta, initial_state, lengths) for b
+    sequences of t tokens and h heads of dim d, as jax.ShapeDtypeStruct: to lower it without data."""
+    sds = jax.ShapeDtypeStruct
+    return (
+        *(sds((b, t, h, d), jnp.bfloat16) for _ in range(3)),
+        sds((b, t, h, d), _F32),
+        sds((b, t, h), _F32),
+        sds((b, h, d, d), _F32),
+        sds((b,), jnp.int32),
+    )
+
+
 def chunk_scan(
     q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, o_products=None,
     interpret=False,

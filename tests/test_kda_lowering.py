@@ -23,14 +23,7 @@ def lowered_calls(fn, *args):
 
 @pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128), (1, 70, 3, 64), (1, 70, 5, 64)])
 def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
-    shape = jax.ShapeDtypeStruct
-    args = (
-        *(shape((b, t, h, d), jnp.bfloat16) for _ in range(3)),
-        shape((b, t, h, d), jnp.float32),
-        shape((b, t, h), jnp.float32),
-        shape((b, h, d, d), jnp.float32),
-        shape((b,), jnp.int32),
-    )
+    args = kda_chain.scan_arg_shapes(b, t, h, d)
     calls = lowered_calls(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16), *args)
     assert calls == ["mosaic_gpu_v2"] * 3, calls  # gate sums, intra, chain
 
