@@ -8,9 +8,10 @@ Every product takes its left operand from SMEM (w, q_w and k exp(G_last - G) as 
 carries fp32 right operands (S, v_new) as bf16 halves, hi + lo; q_w and k exp(G_last - G) arrive as
 halves too (hi.hi + hi.lo + lo.hi), w is bf16 as the intra kernel computed it, and u and A_qk u
 arrive as halves that are added up in fp32. For a bf16 o, q_w S drops q_w's lo half (`o_products`).
-The step is bound by its wgmmas: N = 32 columns makes them read SMEM at nearly its bandwidth, and
-the three-product forms come to 2.1 M multiply-adds per step, about 2000 cycles at the tensor cores'
-rate, of a measured ~5000 (a second CTA per SM gained 5%).
+What bounds a step (~5000 cycles on the H200) is not settled: a second CTA per SM gained only 5%, so
+it is something the SM shares, either the N = 32 wgmmas (2.1 M multiply-adds per step with three
+products each, ~2000 cycles at the tensor cores' rate, reading SMEM near its bandwidth) or the ~80 KB
+of tiles each step brings in through L2 (bench/RESULTS.md).
 """
 
 import functools

@@ -52,7 +52,7 @@ def gate_sums(g, lengths, padded, *, block=None, interpret=False):
     columns = -(-width // _THREADS) * _THREADS  # every thread owns a column: H dk = 64 is padded to 128
     if block is None:
         block = 2 * _THREADS if columns % (2 * _THREADS) == 0 else _THREADS
-    if block % _THREADS or columns % block or block > 2 * _THREADS:
+    if block not in (_THREADS, 2 * _THREADS) or columns % block:
         raise ValueError(
             f"block must be 128 or 256 and divide {columns} (H * dk = {width}, padded to whole 128s), got {block}"
         )

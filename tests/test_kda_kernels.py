@@ -117,6 +117,13 @@ def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
     np.testing.assert_allclose(decay, np.exp(np.swapaxes(want[:, 63::64], 1, 2)), rtol=1e-4, atol=1e-37)
 
 
+@pytest.mark.parametrize("block", [0, -128, 64, 384, 512])
+def test_gate_sums_refuses_a_tile_other_than_128_or_256(block):
+    g = jnp.zeros((1, 64, 4, 128))
+    with pytest.raises(ValueError, match="block must be 128 or 256"):
+        kda_gates.gate_sums(g, jnp.array([64], jnp.int32), 64, block=block)
+
+
 @pytest.mark.parametrize("b, t, h, d", [(2, 200, 2, 64), (1, 130, 1, 128)])
 def test_chain_with_one_slot_matches_two_slots(b, t, h, d):
     """The chain's one-slot form (tiles fetched after each chunk, buffers shared, for two CTAs per
