@@ -39,6 +39,9 @@ CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns 
     "slots2": {"slots": 2},  # one CTA per SM, the next chunk's tiles in flight
     "o3": {"o_products": 3},  # q_w S in three bf16 products (the default for fp32 o; bf16 o takes 2)
     "o1": {"o_products": 1},  # q_w S as one bf16 product
+    "mc": {"multicast": True},  # a head's value blocks as one cluster, sharing their tiles by TMA multicast
+    "mc1": {"multicast": True, "slots": 1},
+    "mc2": {"multicast": True, "slots": 2},
 }
 DECODE_VARIANTS = [(64, 4)]  # (block_v, num_warps)
 ROWS = []  # (section, name, shape, error, ms, note)

@@ -46,8 +46,8 @@ def _chain_kernel(
     w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
     o_ref, s_ref,
     w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, own,
-    arrived,
-    *, n_chunks, o_products,
+    arrived, consumed,
+    *, n_chunks, o_products, multicast,
 ):
     c = CHUNK
     vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
@@ -62,7 +62,11 @@ def _chain_kernel(
         tokens = pl.ds(n * c, c)
         keys = ((w_ref, w_s), (qw_hi_ref, qw_hi_s), (kd_hi_ref, kd_hi_s), (kd_lo_ref, kd_lo_s))
         for src, dst in keys + (((qw_lo_ref, qw_lo_s),) if o_products == 3 else ()):
-            plgpu.copy_gmem_to_smem(src.at[b, h, tokens], dst.at[slot], arrived.at[slot])
+            # With multicast, the head's value blocks (one cluster) each fetch a part of these tiles,
+            # which every block of the cluster receives: one read from L2 for the head, not one per block.
+            plgpu.copy_gmem_to_smem(
+                src.at[b, h, tokens], dst.at[slot], arrived.at[slot], collective_axes="v" if multicast else None
+            )
         for src, dst in ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s), (au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s)):
             plgpu.copy_gmem_to_smem(src.at[b, h, tokens, cols], dst.at[slot], arrived.at[slot])
 
@@ -75,6 +79,8 @@ def _chain_kernel(
 
             @pl.when(n + 1 < n_chunks)
             def _():
+                if multicast:  # every block of the cluster is done with chunk n - 1's slot
+                    pl.when(n >= 1)(lambda: plgpu.barrier_wait(consumed.at[1 - slot]))
                 fetch(n + 1, 1 - slot)
 
         # exp(G_last) straight from HBM into registers (no SMEM), loaded early to hide the latency
@@ -107,7 +113,16 @@ def _chain_kernel(
 
             @pl.when(n + 1 < n_chunks)
             def _():
+                if multicast:  # and so is every block of the cluster
+                    plgpu.barrier_arrive(consumed.at[0])
+                    plgpu.barrier_wait(consumed.at[0])
                 fetch(n + 1, 0)
+        elif multicast:  # chunk n + 2 will come into this slot: tell the cluster it is free
+
+            @pl.when(n + 2 < n_chunks)
+            def _():
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(consumed.at[slot])
 
         return s * lax.broadcast_in_dim(decay, (dk, block_v), [0]) + written
 
@@ -118,7 +133,7 @@ def _chain_kernel(
 
 def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
-    slots=2, o_products=None, interpret=False,
+    slots=2, o_products=None, multicast=False, interpret=False,
 ):
     """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
     outputs and the fp32 initial state [B, H, dk, dv]. `slots`: 2 brings each chunk's tiles in while
@@ -128,7 +143,9 @@ def chain(
     (hi.hi + hi.lo + lo.hi, as precise as fp32 work to about 1e-5), 2 (q_w's hi half times S's halves)
     or 1 (hi.hi); None: 3 for an fp32 o, 2 for a bf16 one (whose rounding is the larger error: on the
     H200 the output error stays at the bf16 floor and the scan is 5-7% faster). The state's products
-    are always 3, so the state does not depend on it."""
+    are always 3, so the state does not depend on it. `multicast`: the value blocks of a head run as
+    one cluster and share each chunk's w, q_w and k exp(G_last - G) tiles (TMA multicast: one read
+    from L2 per head rather than one per block), at the cost of a cluster barrier per chunk."""
     if o_products is None:
         o_products = 2 if jnp.dtype(out_dtype) == jnp.bfloat16 else 3
     b, h, padded, dk = w.shape
@@ -139,6 +156,8 @@ def chain(
         raise ValueError(f"o_products must be 1, 2 or 3, got {o_products}")
     if slots not in (1, 2):
         raise ValueError(f"slots must be 1 or 2, got {slots}")
+    if multicast and not 1 < dv // block_v <= 8:
+        raise ValueError(f"multicast needs 2 to 8 value blocks per head (a cluster), got dv / block_v = {dv // block_v}")
     if slots == 1 and jnp.dtype(out_dtype) != jnp.bfloat16:
         raise ValueError(f"slots=1 writes o through a bf16 buffer: out_dtype must be bfloat16, got {out_dtype}")
     own = () if slots == 1 else (
@@ -146,13 +165,13 @@ def chain(
         _operand_smem((c, block_v), out_dtype),  # o on its way out
     )
     kernel = plgpu.kernel(
-        functools.partial(_chain_kernel, n_chunks=padded // c, o_products=o_products),
+        functools.partial(_chain_kernel, n_chunks=padded // c, o_products=o_products, multicast=multicast),
         out_type=(
             jax.ShapeDtypeStruct((b, padded, h, dv), out_dtype),
             jax.ShapeDtypeStruct((b, h, dk, dv), _F32),
         ),
-        grid=(dv // block_v, h, b),
-        grid_names=("v", "h", "b"),
+        **(dict(grid=(h, b), grid_names=("h", "b"), cluster=(dv // block_v,), cluster_names=("v",)) if multicast
+           else dict(grid=(dv // block_v, h, b), grid_names=("v", "h", "b"))),
         scratch_types=(
             *(_key_smem((slots, c, dk), block_v) for _ in range(2)),  # w, q_w hi
             _key_smem((slots, c, dk), block_v) if o_products == 3 else (),  # q_w lo
@@ -161,6 +180,7 @@ def chain(
             tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
             own,
             plgpu.Barrier(num_arrivals=9 if o_products == 3 else 8, num_barriers=slots),
+            plgpu.ClusterBarrier(collective_axes=("v",), num_barriers=slots) if multicast else (),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -184,7 +204,7 @@ def scan_arg_shapes(b, t, h, d):
 
 def chunk_scan(
     q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, o_products=None,
-    interpret=False,
+    multicast=False, interpret=False,
 ):
     """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
     kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
@@ -200,5 +220,5 @@ def chunk_scan(
         slots = 1 if ctas > sms and jnp.dtype(out_dtype) == jnp.bfloat16 else 2
     return chain(
         *parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, o_products=o_products,
-        interpret=interpret,
+        multicast=multicast, interpret=interpret,
     )

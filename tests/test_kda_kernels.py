@@ -164,6 +164,27 @@ def test_chain_with_fewer_output_products(o_products):
         np.testing.assert_array_equal(np.asarray(o_bf16, np.float32), np.asarray(o.astype(jnp.bfloat16), np.float32))
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("d", [64, 128])  # clusters of 2 and 4 value blocks
+def test_chain_multicast_matches_separate_fetches(slots, d):
+    """The chain with a head's value blocks in one cluster (tiles shared by TMA multicast, slots freed
+    through a cluster barrier) computes what separate fetches do, bit for bit."""
+    b, t, h = 1, 200, 2
+    q, k, v, g, beta = scan_inputs(14, b, t, h, d)
+    s0 = jax.random.normal(jax.random.key(14), (b, h, d, d))
+    args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, jnp.full((b,), t, jnp.int32))
+    o_mc, s_mc = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=slots, multicast=True, interpret=True)
+    o, s = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=slots, interpret=True)
+    np.testing.assert_array_equal(np.asarray(o_mc, np.float32), np.asarray(o, np.float32))
+    np.testing.assert_array_equal(s_mc, s)
+
+
+def test_chain_multicast_refuses_a_single_value_block():
+    parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
+    with pytest.raises(ValueError, match="multicast needs 2 to 8 value blocks"):
+        kda_chain.chain(*parts, out_dtype=jnp.bfloat16, block_v=64, multicast=True)
+
+
 def test_chain_one_slot_refuses_an_fp32_output():
     parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
     with pytest.raises(ValueError, match="out_dtype must be bfloat16"):

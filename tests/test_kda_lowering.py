@@ -28,6 +28,14 @@ def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
     assert calls == ["mosaic_gpu_v2"] * 3, calls  # gate sums, intra, chain
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 3, 64)])
+def test_chain_with_multicast_lowers_for_the_gpu(b, t, h, d, slots):
+    """Clusters of a head's value blocks, TMA multicast and the cluster barrier that frees each slot."""
+    scan = lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16, slots=slots, multicast=True)  # noqa: E731
+    assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 3
+
+
 @pytest.mark.parametrize("b, h, d", [(1, 64, 128), (256, 64, 128), (3, 2, 64), (2, 4, 16)])
 def test_decode_step_lowers_for_the_gpu(b, h, d):
     args = jax.eval_shape(lambda: kda.random_decode_inputs(jax.random.key(0), b, h, d))
