@@ -40,8 +40,8 @@ CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns 
     "o3": {"o_products": 3},  # q_w S in three bf16 products (the default for fp32 o; bf16 o takes 2)
     "o1": {"o_products": 1},  # q_w S as one bf16 product
     "mc": {"multicast": True},  # a head's value blocks as one cluster, sharing their tiles by TMA multicast
-    "mc1": {"multicast": True, "slots": 1},
-    "mc2": {"multicast": True, "slots": 2},
+    "mc0": {"multicast": False},  # (the default: multicast when the chain's grid fits in one wave)
+    "v16mc0": {"block_v": 16, "multicast": False},
 }
 DECODE_VARIANTS = [(64, 4)]  # (block_v, num_warps)
 ROWS = []  # (section, name, shape, error, ms, note)

@@ -249,7 +249,7 @@ def _scan_unsupported(q, v, chunk_size):
 
 def kda_chunk_scan(
     q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, implementation=None, interpret=False,
-    block_v=kda_chain.BLOCK_V, slots=None, o_products=None, multicast=False,
+    block_v=kda_chain.BLOCK_V, slots=None, o_products=None, multicast=None,
 ):
     """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
 

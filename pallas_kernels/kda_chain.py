@@ -204,20 +204,24 @@ def scan_arg_shapes(b, t, h, d):
 
 def chunk_scan(
     q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, o_products=None,
-    multicast=False, interpret=False,
+    multicast=None, interpret=False,
 ):
     """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
     kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
     `lengths` int32 [B]. Returns o [B, T', H, d] in `out_dtype` (T' = T rounded up to whole chunks;
     rows past T are meaningless) and the final state. `slots` None picks one slot (two CTAs per SM)
-    when the chain's grid has more CTAs than the GPU has SMs and o is bf16, else two; `o_products`
-    as in `chain`."""
+    when the chain's grid has more CTAs than the GPU has SMs and o is bf16, else two; `multicast`
+    None picks clusters when the grid fits on the SMs in one wave (on the H200 multicast took the
+    chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it 3-15% slower over several waves);
+    `o_products` as in `chain`."""
     parts = kda_intra.intra(q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, interpret=interpret)
+    b, _, h, dv = v.shape
+    value_blocks = dv // min(block_v, dv)
+    one_wave = b * h * value_blocks <= (getattr(jax.devices()[0], "core_count", None) or 132)
     if slots is None:
-        b, _, h, dv = v.shape
-        ctas = b * h * dv // min(block_v, dv)
-        sms = getattr(jax.devices()[0], "core_count", None) or 132
-        slots = 1 if ctas > sms and jnp.dtype(out_dtype) == jnp.bfloat16 else 2
+        slots = 2 if one_wave or jnp.dtype(out_dtype) != jnp.bfloat16 else 1
+    if multicast is None:
+        multicast = one_wave and 1 < value_blocks <= 8
     return chain(
         *parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, o_products=o_products,
         multicast=multicast, interpret=interpret,

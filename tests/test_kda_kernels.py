@@ -9,6 +9,8 @@ GPU, and bench/kda_intra_check.py compares the compiled kernels with the interpr
 (bench/RESULTS.md).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,16 +167,17 @@ def test_chain_with_fewer_output_products(o_products):
 
 
 @pytest.mark.parametrize("slots", [1, 2])
-@pytest.mark.parametrize("d", [64, 128])  # clusters of 2 and 4 value blocks
-def test_chain_multicast_matches_separate_fetches(slots, d):
+@pytest.mark.parametrize("d, block_v", [(64, 32), (128, 32), (128, 16)])  # clusters of 2, 4 and 8 value blocks
+def test_chain_multicast_matches_separate_fetches(slots, d, block_v):
     """The chain with a head's value blocks in one cluster (tiles shared by TMA multicast, slots freed
     through a cluster barrier) computes what separate fetches do, bit for bit."""
     b, t, h = 1, 200, 2
     q, k, v, g, beta = scan_inputs(14, b, t, h, d)
     s0 = jax.random.normal(jax.random.key(14), (b, h, d, d))
     args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, jnp.full((b,), t, jnp.int32))
-    o_mc, s_mc = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=slots, multicast=True, interpret=True)
-    o, s = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=slots, interpret=True)
+    run = functools.partial(kda_chain.chunk_scan, *args, out_dtype=jnp.bfloat16, block_v=block_v, slots=slots, interpret=True)
+    o_mc, s_mc = run(multicast=True)
+    o, s = run(multicast=False)
     np.testing.assert_array_equal(np.asarray(o_mc, np.float32), np.asarray(o, np.float32))
     np.testing.assert_array_equal(s_mc, s)
 
