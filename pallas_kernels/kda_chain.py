@@ -93,6 +93,8 @@ def _chain_kernel(
         w = w_s.at[slot]
         v_new = _pair_value(u_hi_s.at[slot], u_lo_s.at[slot]) - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
         v_hi, v_lo = _split(v_new)
+        if slots == 1:  # v_new takes u's buffers: every warp has read u
+            plgpu.commit_smem()
         v_halves[0][...] = v_hi
         v_halves[1][...] = v_lo
         plgpu.commit_smem()
@@ -182,7 +184,9 @@ def chain(
             plgpu.Barrier(num_arrivals=9 if o_products == 3 else 8, num_barriers=slots),
             plgpu.ClusterBarrier(collective_axes=("v",), num_barriers=slots) if multicast else (),
         ),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True, unsafe_no_auto_barriers=True
+        ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="kda_chain",
     )

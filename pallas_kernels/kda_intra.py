@@ -303,6 +303,7 @@ def _intra_kernel(
         def _(j, cols):  # q_w's halves take the place of q's block, once it is in registers
             a_w = _matmul((c, BLOCK_K), [(a_pair[0], k_s.at[:, cols]), (a_pair[1], k_s.at[:, cols])])
             q_exp = _load(halves_lo.at[j]).astype(_F32) * rows_of(q_scale) * jnp.exp(cum(cols))
+            plgpu.commit_smem()  # every warp has read q's block before q_w's halves overwrite it
             send(j, cols, q_exp - a_w, qw_hi_ref, qw_lo_ref)  # bf16 halves, the chain's left operand
 
         plgpu.wait_smem_to_gmem(0)
@@ -341,7 +342,9 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
             plgpu.Barrier(num_arrivals=dk // BLOCK_K),  # v
             plgpu.Barrier(num_arrivals=dk // BLOCK_K),  # q again, for q_w
         ),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True, unsafe_no_auto_barriers=True
+        ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="kda_intra",
     )
