@@ -8,10 +8,10 @@ Every product takes its left operand from SMEM (w, q_w and k exp(G_last - G) as 
 carries fp32 right operands (S, v_new) as bf16 halves, hi + lo; q_w and k exp(G_last - G) arrive as
 halves too (hi.hi + hi.lo + lo.hi), w is bf16 as the intra kernel computed it, and u and A_qk u
 arrive as halves that are added up in fp32. For a bf16 o, q_w S drops q_w's lo half (`o_products`).
-What bounds a step (~5000 cycles on the H200) is not settled: a second CTA per SM gained only 5%, so
-it is something the SM shares, either the N = 32 wgmmas (2.1 M multiply-adds per step with three
-products each, ~2000 cycles at the tensor cores' rate, reading SMEM near its bandwidth) or the ~80 KB
-of tiles each step brings in through L2 (bench/RESULTS.md).
+A step (~4000 cycles on the H200) is bound by the latency of its own instruction stream: ncu shows
+one warp per scheduler issuing every 3.8 cycles, about 1000 instructions per warp per step (56 of
+them wgmmas; most of the rest split, convert and add the fp32 tiles), with L2 at 32% and DRAM at 22%
+of their peaks (bench/RESULTS.md).
 """
 
 import functools
@@ -184,6 +184,9 @@ def chain(
             plgpu.Barrier(num_arrivals=9 if o_products == 3 else 8, num_barriers=slots),
             plgpu.ClusterBarrier(collective_axes=("v",), num_barriers=slots) if multicast else (),
         ),
+        # No automatic barriers (Mosaic GPU puts one before every TMA fetch and on both sides of every
+        # register store to SMEM): the kernel's own commit_smem and wait_smem_to_gmem order each reuse
+        # of a buffer, and on the H200 the scan took 2-4% less time without them.
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True, unsafe_no_auto_barriers=True
         ),
