@@ -18,8 +18,12 @@ from pathlib import Path
 
 
 def dump(shape, into):
-    """Compiles and runs the scan once with Mosaic GPU's PTX and ptxas dumps going to `into`."""
-    os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(into))
+    """Compiles and runs the scan once with Mosaic GPU's PTX, ptxas and SASS dumps going to `into` (the
+    SASS needs nvdisasm, which the H200 machine has in /usr/local/cuda/bin, off its PATH)."""
+    os.environ.update(
+        MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=str(into),
+        PATH=os.environ.get("PATH", "") + ":/usr/local/cuda/bin",
+    )
     import jax
     import jax.numpy as jnp
 
@@ -83,6 +87,7 @@ def main():
         dump(tuple(int(x) for x in args.shape.split(",")), into)
     for path in sorted(into.glob("*.ptx")):
         report(path)
+    print(f"\n(dump in {into})")
 
 
 if __name__ == "__main__":
