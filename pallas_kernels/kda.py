@@ -256,8 +256,8 @@ def kda_chunk_scan(
     `implementation` None / "reference" / "pallas" (see the module docstring), `interpret` runs the
     Pallas kernels in the interpreter, `block_v` the value columns per program of the serial chain,
     `slots` its buffering, `o_products` the precision of its q_w S and `multicast` its clusters
-    (`kda_chain.chain`). The Pallas scan
-    multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
+    (`kda_chain.chunk_scan`; None picks each by the shape). The Pallas scan multiplies q, k and v as
+    bf16 (other dtypes are rounded to it) and writes o in q's dtype.
     """
     _check_inputs(q, k, v, g, beta, initial_state, lengths)
     if _pick(implementation, _scan_unsupported(q, v, chunk_size), q.dtype) == "reference":
