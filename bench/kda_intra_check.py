@@ -4,7 +4,7 @@ difference shows where it is; then the whole scan (intra and chain) against the 
 The interpreter runs on the CPU: on the GPU backend XLA's excess precision drops the bf16 rounding
 that splits an fp32 operand into halves (the lo halves come out zero).
 
-    PYTHONPATH=$PWD python3 bench/kda_intra_check.py [--cases "B,T,H,D;..."]
+    PYTHONPATH=$PWD python3 bench/kda_intra_check.py [--cases "B,T,H,D;..."] [--gate -5]
 """
 
 import argparse
@@ -19,10 +19,12 @@ CASES = [(1, 1, 1, 128), (2, 128, 1, 64), (1, 130, 2, 64), (3, 200, 4, 128)]
 NAMES = ("w", "u hi", "u lo", "q_w hi", "q_w lo", "A_qk u hi", "A_qk u lo", "kd hi", "kd lo", "exp(G_last)")
 
 
-def inputs(b, t, h, d, seed=0):
+def inputs(b, t, h, d, seed=0, gate=None):
+    """Random inputs; `gate` a constant log decay for every channel (the lower bound, -5, stretches the
+    scores' factors the most) instead of random ones in (-5, 0)."""
     ks = jax.random.split(jax.random.key(seed), 5)
     q, k, v = (jax.random.normal(key, (b, t, h, d)).astype(jnp.bfloat16) for key in ks[:3])
-    g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, t, h, d)))
+    g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, t, h, d))) if gate is None else jnp.full((b, t, h, d), gate)
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, h, t)))
     lengths = jnp.array([t, max(t // 3, 1), max(t - 17, 1)][:b], jnp.int32)
     return q, k, v, g, beta, lengths
@@ -31,9 +33,11 @@ def inputs(b, t, h, d, seed=0):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=";".join(",".join(map(str, case)) for case in CASES))
-    cases = [tuple(int(x) for x in case.split(",")) for case in parser.parse_args().cases.split(";")]
+    parser.add_argument("--gate", type=float, default=None, help="one log decay for every channel (default: random)")
+    options = parser.parse_args()
+    cases = [tuple(int(x) for x in case.split(",")) for case in options.cases.split(";")]
     for case in cases:
-        args = inputs(*case)
+        args = inputs(*case, gate=options.gate)
         valid = np.arange(-(-case[1] // 64) * 64)[None, :] < np.asarray(args[-1])[:, None]  # [B, T']
         got = jax.jit(kda_intra.intra)(*args)
         cpu_args = jax.device_put(args, jax.devices("cpu")[0])
