@@ -24,7 +24,10 @@ def inputs(b, t, h, d, seed=0, gate=None):
     scores' factors the most) instead of random ones in (-5, 0)."""
     ks = jax.random.split(jax.random.key(seed), 5)
     q, k, v = (jax.random.normal(key, (b, t, h, d)).astype(jnp.bfloat16) for key in ks[:3])
-    g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, t, h, d))) if gate is None else jnp.full((b, t, h, d), gate)
+    if gate is None:
+        g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, t, h, d)))
+    else:
+        g = jnp.full((b, t, h, d), gate)
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, h, t)))
     lengths = jnp.array([t, max(t // 3, 1), max(t - 17, 1)][:b], jnp.int32)
     return q, k, v, g, beta, lengths
