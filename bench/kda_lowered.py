@@ -10,15 +10,11 @@ import argparse
 import hashlib
 import json
 
-import jax
 import jax.numpy as jnp
 from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
 from jax.experimental.mosaic.gpu import core as mosaic_core
 
 from pallas_kernels import kda_chain
-
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-
 
 def lowered_kernels(shape, options):
     """[(kernel name, SMEM bytes requested, module text without debug info)] of the scan at `shape`."""
@@ -35,11 +31,9 @@ def lowered_kernels(shape, options):
         return result
 
     args = kda_chain.scan_arg_shapes(*shape)
-    scan = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16, **options))
     pallas_lowering.ModuleContext.__init__, mosaic_core.lower_mgpu_module = record_request, record_module
     try:
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)):
-            scan.trace(*args).lower(lowering_platforms=("cuda",))
+        kda_chain.lower_for_h200(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16, **options), *args)
     finally:
         pallas_lowering.ModuleContext.__init__, mosaic_core.lower_mgpu_module = init, lower
     return [(name, smem, text) for (name, smem), text in zip(requests, modules, strict=True)]

@@ -26,6 +26,7 @@ from pallas_kernels import kda_intra
 from pallas_kernels.kda_intra import _F32, _ROW, CHUNK, _load, _matmul, _operand_smem, _split
 
 BLOCK_V = 32  # value columns per program: two slots of its tiles fill most of the SMEM at dk = 128
+CLUSTER_BLOCKS = range(2, 9)  # value blocks per head that multicast can run as one cluster
 
 
 def _key_smem(shape, block_v):
@@ -158,7 +159,7 @@ def chain(
         raise ValueError(f"o_products must be 1, 2 or 3, got {o_products}")
     if slots not in (1, 2):
         raise ValueError(f"slots must be 1 or 2, got {slots}")
-    if multicast and not 1 < dv // block_v <= 8:
+    if multicast and dv // block_v not in CLUSTER_BLOCKS:
         raise ValueError(f"multicast needs 2 to 8 value blocks per head (a cluster), got dv / block_v = {dv // block_v}")
     if slots == 1 and jnp.dtype(out_dtype) != jnp.bfloat16:
         raise ValueError(f"slots=1 writes o through a bf16 buffer: out_dtype must be bfloat16, got {out_dtype}")
@@ -196,6 +197,14 @@ def chain(
     return kernel(w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state)
 
 
+def lower_for_h200(fn, *args):
+    """`fn` jitted and lowered for an abstract H200 (no GPU needed): the Mosaic GPU kernels go through
+    their whole lowering (TMA shapes, layouts, wgmma operands), which the interpreter does not check."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def scan_arg_shapes(b, t, h, d):
     """The shapes and dtypes `chunk_scan` takes (q, k, v, g, beta, initial_state, lengths) for b
     sequences of t tokens and h heads of dim d, as jax.ShapeDtypeStruct: to lower it without data."""
@@ -228,7 +237,7 @@ def chunk_scan(
     if slots is None:
         slots = 2 if one_wave or jnp.dtype(out_dtype) != jnp.bfloat16 else 1
     if multicast is None:
-        multicast = one_wave and 1 < value_blocks <= 8
+        multicast = one_wave and value_blocks in CLUSTER_BLOCKS
     return chain(
         *parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, o_products=o_products,
         multicast=multicast, interpret=interpret,

@@ -11,14 +11,9 @@ import pytest
 
 from pallas_kernels import kda, kda_chain
 
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-
-
 def lowered_calls(fn, *args):
     """The custom calls of `fn` lowered for the H200."""
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    return re.findall(r"custom_call @([\w$.]+)", text)
+    return re.findall(r"custom_call @([\w$.]+)", kda_chain.lower_for_h200(fn, *args).as_text())
 
 
 @pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128), (1, 70, 3, 64), (1, 70, 5, 64)])
