@@ -34,8 +34,8 @@ cores multiply fp32 operands as tf32, at half the rate of bf16); every later pro
 operands as two bf16 halves (hi + lo, 16 significant bits, three products: hi.hi + hi.lo + lo.hi),
 as accurate as fp32 work to about 1e-5 of each product. The inverse and the WY products need that
 (in the interpreter, on correlated keys, the state's error is 2.4e-4 with tf32 scores and 9.9e-4
-with a tf32 inverse: branch `intra-tf32-probe`), and they could not take tf32 anyway: its operands must be stored
-k-major, and their right operands leave registers with k as rows. The interpreter computes the same
+with a tf32 inverse: branch `intra-tf32-probe`), and they could not take tf32 anyway: its operands
+must be stored k-major, and their right operands leave registers with k as rows. The interpreter computes the same
 products (the tf32 rounding is explicit), so the CPU tests check the GPU's numbers.
 """
 
@@ -222,9 +222,10 @@ def _intra_kernel(
         keys = key_s.T  # key rows as the right operand's columns
 
         def reference(i, cols):
-            """G at pass i's reference token of each row, [C, 64]."""
-            upper, lower = (_mark_of(jnp.where(i == 0, token, HALF - 1)) for token in (HALF // 2 - 1, HALF + HALF // 2 - 1))
-            return jnp.where(r >= HALF, at_mark(lower, cols), at_mark(upper, cols)) + jnp.where(i == 0, MIN_GATE / 2, 0.0)
+            """G_ref of pass i for each row, [C, 64]."""
+            upper = at_mark(_mark_of(jnp.where(i == 0, HALF // 2 - 1, HALF - 1)), cols)  # token 15 / 31
+            lower = at_mark(_mark_of(jnp.where(i == 0, HALF + HALF // 2 - 1, HALF - 1)), cols)  # token 47 / 31
+            return jnp.where(r >= HALF, lower, upper) + jnp.where(i == 0, MIN_GATE / 2, 0.0)
 
         def score_pass(i, carry):
             a_qk, a_kk = carry
