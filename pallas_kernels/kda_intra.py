@@ -23,8 +23,9 @@ Every product is [64, 64] x [64, 64]: the channels go in blocks of 64 (BLOCK_K),
 operand pair takes 16 KB. Both operands come from SMEM (A in registers gave wrong rows on the H200
 under this kernel's register pressure); every tile load is free of bank conflicts
 (`optimized=True`). SMEM: k, G and beta for the whole kernel, the rest scoped per phase (q and the
-score passes' operands; then v and the pairs of the inverse and the WY products, which reuse v's
-buffers and bring q back for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
+score passes' operands; then v's buffers, which hold A_kk's halves for the inverse until v comes in,
+and the pairs of the inverse and the WY products, which reuse v's buffers after u and bring q back
+for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
 (202 KB and one CTA before). The repeated stages (score passes, merge steps, 64-channel blocks) are
 loops: unrolled, the code outgrew the instruction cache (on the H200 the loops took the kernel from
 1.56 to 0.92 ms at (1, 16384, 16), and its cycles per issued instruction from 8.4 to 4.6).
@@ -126,26 +127,27 @@ def _store_split(x, pair):
     plgpu.commit_smem()
 
 
-def _unit_lower_inverse(a, left, right):
+def _unit_lower_inverse(a, a_pair, t_pair, c_pair):
     """(I + A)^-1 for strictly lower fp32 [C, C] A by block forward substitution: starting from blocks
     of one row, merge neighbouring diagonal blocks, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]],
     for all blocks at once as T <- T - T (L T), L = A on the merged blocks' lower-left quadrants.
     The factors are entries of A and of the inverse itself, so nothing grows past the inverse's own
     size; a Neumann series (the doubling this replaced) has terms like C(62, 31) a^32 when A is dense
-    (slow decay, similar keys), which cancelled to inf - inf. `left` and `right` are (hi, lo) pairs of
-    [C, C] buffers for the operands. A loop, not unrolled: the kernel's straight-line code outgrew the
-    instruction cache (most stalls on the H200 were fetches)."""
+    (slow decay, similar keys), which cancelled to inf - inf. T is block diagonal, so L T is A T on
+    those quadrants, bit for bit (the other products are exact zeros): A is split once, and T's halves
+    serve as the right operand of A T and the left one of T (L T). `a_pair`, `t_pair` and `c_pair`
+    are (hi, lo) pairs of [C, C] buffers for A, T and L T. A loop, not unrolled: the kernel's
+    straight-line code outgrew the instruction cache (most stalls on the H200 were fetches)."""
     shape = a.shape
     r, c = _iota(shape, 0), _iota(shape, 1)
+    _store_split(a, a_pair)
 
     def merge(level, inverse):  # diagonal blocks of 2^level rows -> 2^(level + 1)
         lower_left = ((r ^ c) >> level == 1) & (r > c)
-        _store_split(jnp.where(lower_left, a, 0.0), left)
-        _store_split(inverse, right)
-        coupling = _precise(shape, left, right)  # L T; the product has read both pairs
-        _store_split(inverse, left)
-        _store_split(coupling, right)
-        return inverse - _precise(shape, left, right)
+        _store_split(inverse, t_pair)
+        coupling = jnp.where(lower_left, _precise(shape, a_pair, t_pair), 0.0)  # L T
+        _store_split(coupling, c_pair)
+        return inverse - _precise(shape, t_pair, c_pair)
 
     return lax.fori_loop(0, int(math.log2(CHUNK)), merge, jnp.where(r == c, 1.0, 0.0))
 
@@ -273,14 +275,15 @@ def _intra_kernel(
 
     def wy_products(v_s, halves_hi, halves_lo):
         """w = T_b (k exp(G)), u = T_b v, A_qk u and q_w = q exp(G) - A_qk w, T_b = T diag(beta); v
-        arrives while T is computed. `halves_hi` and `halves_lo` hold two (hi, lo) pairs of [64, 64]
-        operands: pair 0 and pair 1 serve the inverse and T_b, then carry channel block j's outputs."""
+        arrives while w is computed. `halves_hi` and `halves_lo` hold two (hi, lo) pairs of [64, 64]
+        operands: pair 0 and pair 1 serve the inverse and T_b, then carry channel block j's outputs;
+        v's buffers hold A_kk's halves for the inverse."""
         pair = lambda j: (halves_hi.at[j], halves_lo.at[j])  # noqa: E731
         pair_a, pair_b = pair(0), pair(1)
+        t = _unit_lower_inverse(a_kk, (v_s.at[0], v_s.at[1]), pair_a, pair_b) * cols_of(_load(beta_s, _COL))
+        _store_split(t, pair_b)  # T_b: the left operand of w and u; every warp is past the inverse
         for j, cols in enumerate(blocks):
             plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_s.at[j], v_loaded)
-        t = _unit_lower_inverse(a_kk, pair_a, pair_b) * cols_of(_load(beta_s, _COL))
-        _store_split(t, pair_b)  # T_b: the left operand of w and u
 
         def send(j, cols, value, hi_ref, lo_ref):  # block j's output through pair j
             _store_split(value, pair(j))
