@@ -7,11 +7,10 @@ G, the running sum of the log decays inside the chunk, comes from `kda_gates.gat
 every 8th token for the reference tokens below). The kernel computes:
 - the scores A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), with q and k
   L2-normalised (q also scaled by dk^-0.5). The decay exp(G_i - G_j) of a channel factors through a
-  reference token: the middle token of each 16-token diagonal block (every factor exp(x) with
-  |x| <= 8 |g|, so that both bf16 halves stay normal numbers; 32-token blocks made the lo halves
-  subnormal and cost 7e-3 at gates of -5), or the boundary between a block of queries and the
-  earlier keys (both factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound).
-  Three passes, one per choice of reference tokens;
+  reference: the middle of each 32-token diagonal block (every factor exp(x) with |x| <= 16 |g|,
+  normal in fp32 and tf32), or the boundary between the later queries and the earlier keys (both
+  factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound). Two passes, one per
+  choice of references, with fp32 operands multiplied as tf32;
 - T = (I + A_kk)^-1 by block forward substitution, merging diagonal blocks of 1, 2, 4, ... 32 rows
   (stable where a Neumann series is not: a dense A_kk, from slow decay and similar keys, gives
   Neumann terms like C(62, 31));
@@ -24,19 +23,23 @@ Every product is [64, 64] x [64, 64]: the channels go in blocks of 64 (BLOCK_K),
 operand pair takes 16 KB. Both operands come from SMEM (A in registers gave wrong rows on the H200
 under this kernel's register pressure); every tile load is free of bank conflicts
 (`optimized=True`). SMEM: k, G and beta for the whole kernel, the rest scoped per phase (q and the
-score passes' pairs; then v and the pairs of the inverse and the WY products, which reuse v's
-buffers and bring q back for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
+score passes' operands; then v's buffers, which hold A_kk's halves for the inverse until v comes in,
+and the pairs of the inverse and the WY products, which reuse v's buffers after u and bring q back
+for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
 (202 KB and one CTA before). The repeated stages (score passes, merge steps, 64-channel blocks) are
 loops: unrolled, the code outgrew the instruction cache (on the H200 the loops took the kernel from
 1.56 to 0.92 ms at (1, 16384, 16), and its cycles per issued instruction from 8.4 to 4.6).
 
-Precision: the tensor cores multiply bf16; fp32 operands are carried as two bf16 halves (hi + lo,
-16 significant bits, three products: hi.hi + hi.lo + lo.hi), which makes the kernel as accurate as
-fp32 work to about 1e-5 of each product. The interpreter computes the same bf16 products, so the
-CPU tests check the GPU's numbers.
+Precision: the scores' operands are rounded to tf32 (11 significant bits, one product: the tensor
+cores multiply fp32 operands as tf32, at half the rate of bf16); every later product carries fp32
+operands as two bf16 halves (hi + lo, 16 significant bits, three products: hi.hi + hi.lo + lo.hi),
+as accurate as fp32 work to about 1e-5 of each product. The inverse and the WY products need that
+(in the interpreter, on correlated keys, the state's error is 2.4e-4 with tf32 scores and 9.9e-4
+with a tf32 inverse: branch `intra-tf32-probe`), and they could not take tf32 anyway: its operands
+must be stored k-major, and their right operands leave registers with k as rows. The interpreter computes the same
+products (the tf32 rounding is explicit), so the CPU tests check the GPU's numbers.
 """
 
-import functools
 import math
 
 import jax
@@ -49,7 +52,6 @@ from pallas_kernels import kda_gates
 from pallas_kernels.kda_gates import CHUNK
 
 HALF = CHUNK // 2
-SUB_CHUNK = 16
 L2_EPS = 1e-6
 # exp(16 |g|) times 128 channels stays finite in fp32 while |g| <= 5 (exp(80) * 128 = 7e36).
 MIN_GATE = -5.0
@@ -58,9 +60,15 @@ BLOCK_K = 64  # channels per step: every product is [64, 64] x [64, 64]
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 _MARKS = CHUNK // kda_gates.MARK  # G is also passed at every 8th token (the scores' reference tokens and the last)
+
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
 _COL = _WG.reduce(0)  # one value per column
+
+
+def _mark_of(token):
+    """The index of token 8 i + 7 among the marks."""
+    return (token + 1) // kda_gates.MARK - 1
 
 
 def _operand_smem(shape, dtype=_BF16):
@@ -103,6 +111,15 @@ def _precise(shape, left, right):
     return _matmul(shape, [(left[0], right[0]), (left[0], right[1]), (left[1], right[0])])
 
 
+def _store_tf32(x, ref):
+    """x rounded to tf32 (10 fraction bits; nearest, ties away from zero, as cvt.rna.tf32.f32) into
+    an fp32 operand: the tensor cores would drop the 13 low bits, and rounding here halves that
+    error and makes the interpreter's products the GPU's."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    ref[...] = lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), _F32)
+    plgpu.commit_smem()
+
+
 def _store_split(x, pair):
     hi, lo = _split(x)
     pair[0][...] = hi
@@ -110,26 +127,27 @@ def _store_split(x, pair):
     plgpu.commit_smem()
 
 
-def _unit_lower_inverse(a, left, right):
+def _unit_lower_inverse(a, a_pair, t_pair, c_pair):
     """(I + A)^-1 for strictly lower fp32 [C, C] A by block forward substitution: starting from blocks
     of one row, merge neighbouring diagonal blocks, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]],
     for all blocks at once as T <- T - T (L T), L = A on the merged blocks' lower-left quadrants.
     The factors are entries of A and of the inverse itself, so nothing grows past the inverse's own
     size; a Neumann series (the doubling this replaced) has terms like C(62, 31) a^32 when A is dense
-    (slow decay, similar keys), which cancelled to inf - inf. `left` and `right` are (hi, lo) pairs of
-    [C, C] buffers for the operands. A loop, not unrolled: the kernel's straight-line code outgrew the
-    instruction cache (most stalls on the H200 were fetches)."""
+    (slow decay, similar keys), which cancelled to inf - inf. T is block diagonal, so L T is A T on
+    those quadrants, bit for bit (the other products are exact zeros): A is split once, and T's halves
+    serve as the right operand of A T and the left one of T (L T). `a_pair`, `t_pair` and `c_pair`
+    are (hi, lo) pairs of [C, C] buffers for A, T and L T. A loop, not unrolled: the kernel's
+    straight-line code outgrew the instruction cache (most stalls on the H200 were fetches)."""
     shape = a.shape
     r, c = _iota(shape, 0), _iota(shape, 1)
+    _store_split(a, a_pair)
 
     def merge(level, inverse):  # diagonal blocks of 2^level rows -> 2^(level + 1)
         lower_left = ((r ^ c) >> level == 1) & (r > c)
-        _store_split(jnp.where(lower_left, a, 0.0), left)
-        _store_split(inverse, right)
-        coupling = _precise(shape, left, right)  # L T; the product has read both pairs
-        _store_split(inverse, left)
-        _store_split(coupling, right)
-        return inverse - _precise(shape, left, right)
+        _store_split(inverse, t_pair)
+        coupling = jnp.where(lower_left, _precise(shape, a_pair, t_pair), 0.0)  # L T
+        _store_split(coupling, c_pair)
+        return inverse - _precise(shape, t_pair, c_pair)
 
     return lax.fori_loop(0, int(math.log2(CHUNK)), merge, jnp.where(r == c, 1.0, 0.0))
 
@@ -167,10 +185,11 @@ def _intra_kernel(
         return _load(k_s.at[:, cols]).astype(_F32) * rows_of(scale)
 
     r, cl = _iota(square, 0), _iota(square, 1)
-    block = r // SUB_CHUNK  # the 16-token block of each row
 
-    def scores_and_kd(q_s, key_pair, left_pair, marks_s):
-        """A_qk and A_kk, k exp(G_last - G) out; the rows' norms."""
+    def scores_and_kd(q_s, operands, marks_s):
+        """A_qk and A_kk, k exp(G_last - G) out; the rows' norms. `operands` holds the scores' fp32 key
+        and left operands, then the (hi, lo) pairs of k exp(G_last - G) on their way out."""
+        (key_s, left_s), (key_pair, left_pair) = operands
         plgpu.copy_gmem_to_smem(q_ref.at[b, tokens, h], q_s, loaded)
         for src, dst in ((k_ref, k_s), (cum_ref, cum_s)):
             plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, loaded)
@@ -191,53 +210,47 @@ def _intra_kernel(
         def q(cols):  # L2-normalised, scaled by dk^-0.5
             return _load(q_s.at[:, cols]).astype(_F32) * rows_of(q_scale)
 
-        # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, in three passes (a
-        # loop, to keep the code small) with different reference tokens. Pass 0: the middle token of
-        # each 16-token diagonal block (factors exp(x), |x| <= 8 |g|, both halves of a split factor
-        # normal numbers). Passes 1 and 2: the boundary between a block of queries and the earlier keys
-        # (both factors <= 1): blocks 1 x 0 and 3 x 2 through tokens 15 and 47, the lower-left half
-        # through 31.
-        pairs = (block % 2 == 1) & (cl // SUB_CHUNK == block - 1)
+        # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, in two passes (a loop,
+        # to keep the code small) with different references. Pass 0: the middle of each 32-token
+        # diagonal block, G at tokens 15 and 47 plus MIN_GATE / 2, which centres the factors' exponents
+        # (-80..75 about the token) on -77.5..77.5: fp32 and tf32 operands stay normal numbers for
+        # components down to 1e-4 (at -80 a GPU or CPU that flushes subnormals lost 2.5e-3 of o).
+        # Pass 1: G at token 31, between the later queries and the earlier keys of the lower-left
+        # quadrant (both factors <= 1). An entry a pass does not keep may be inf (up to exp(155)) or
+        # NaN (0 x inf past a sequence's end); it is its own row of the left operand times its own
+        # row of the keys, and `where` drops it.
+        diagonal = (r >= HALF) == (cl >= HALF)
         lower_left = (r >= HALF) & (cl < HALF)
-        keys = (key_pair[0].T, key_pair[1].T)  # key rows as the right operand's columns
+        keys = key_s.T  # key rows as the right operand's columns
 
         def reference(i, cols):
-            """G at pass i's reference token of each row, [C, 64]."""
-            def mark(j):  # the mark (every 8th token) of row block j's reference
-                return jnp.where(i == 0, 2 * j, jnp.where(i == 1, 4 * (j // 2) + 1, HALF // _MARKS - 1))
-            return functools.reduce(
-                lambda acc, j: jnp.where(block == j, at_mark(mark(j), cols), acc),
-                range(1, c // SUB_CHUNK), at_mark(mark(0), cols),
-            )
+            """G_ref of pass i for each row, [C, 64]."""
+            upper = at_mark(_mark_of(jnp.where(i == 0, HALF // 2 - 1, HALF - 1)), cols)  # token 15 / 31
+            lower = at_mark(_mark_of(jnp.where(i == 0, HALF + HALF // 2 - 1, HALF - 1)), cols)  # token 47 / 31
+            return jnp.where(r >= HALF, lower, upper) + jnp.where(i == 0, MIN_GATE / 2, 0.0)
 
         def score_pass(i, carry):
             a_qk, a_kk = carry
-            query_rows = (i == 0) | jnp.where(i == 1, block % 2 == 1, r >= HALF)
-            key_rows = (i == 0) | ~query_rows
 
             def products(acc_qk, acc_kk):
                 @block_loop
-                def _(j, cols):  # the pairs are rewritten per block, once the products have read them
+                def _(j, cols):  # the operands are rewritten per block, once the products have read them
                     exponent = cum(cols) - reference(i, cols)
-                    _store_split(k(cols, k_scale) * jnp.where(key_rows, jnp.exp(-exponent), 0.0), key_pair)
-                    query_factor = jnp.where(query_rows, jnp.exp(exponent), 0.0)
+                    _store_tf32(k(cols, k_scale) * jnp.exp(-exponent), key_s)
+                    query_factor = jnp.exp(exponent)
                     for acc, left in ((acc_qk, q(cols)), (acc_kk, k(cols, k_scale * beta))):
-                        _store_split(left * query_factor, left_pair)
-                        for x, y in ((0, 0), (0, 1), (1, 0)):
-                            plgpu.wgmma(acc, left_pair[x], keys[y])
+                        _store_tf32(left * query_factor, left_s)
+                        plgpu.wgmma(acc, left_s, keys)
                         plgpu.wgmma_wait(0)
 
                 return acc_qk[...], acc_kk[...]
 
             qk, kk = pl.run_scoped(products, plgpu.ACC(square, _F32), plgpu.ACC(square, _F32))
-            blocks_of_pass = jnp.where(i == 0, block == cl // SUB_CHUNK, jnp.where(i == 1, pairs, lower_left))
-            return (
-                a_qk + jnp.where(blocks_of_pass & (cl <= r), qk, 0.0),
-                a_kk + jnp.where(blocks_of_pass & (cl < r), kk, 0.0),
-            )
+            kept = jnp.where(i == 0, diagonal, lower_left)
+            return a_qk + jnp.where(kept & (cl <= r), qk, 0.0), a_kk + jnp.where(kept & (cl < r), kk, 0.0)
 
         zeros = plgpu.layout_cast(jnp.zeros(square, _F32), _WG)
-        a_qk, a_kk = lax.fori_loop(0, 3, score_pass, (zeros, zeros))
+        a_qk, a_kk = lax.fori_loop(0, 2, score_pass, (zeros, zeros))
 
         # k exp(G_last - G) out, as bf16 halves (the chain's left operand), one block per pair.
         for cols, pair in zip(blocks, (key_pair, left_pair)):
@@ -252,20 +265,25 @@ def _intra_kernel(
 
     # Unswizzled buffers after the swizzled ones: on the H200 one placed before the swizzled operands
     # gave wrong products in rows 8-15 of every 16 (bench/RESULTS.md, the probes of commit 8556005).
+    score_operands = (_operand_smem(square, _F32), _operand_smem(square, _F32))
     a_qk, a_kk, q_scale, k_scale = pl.run_scoped(
-        scores_and_kd, _operand_smem((c, dk)), pair_smem(), pair_smem(), plgpu.SMEM((_MARKS, dk), _F32)
+        scores_and_kd,
+        _operand_smem((c, dk)),
+        plgpu.RefUnion(score_operands, (pair_smem(), pair_smem())),
+        plgpu.SMEM((_MARKS, dk), _F32),
     )
 
     def wy_products(v_s, halves_hi, halves_lo):
         """w = T_b (k exp(G)), u = T_b v, A_qk u and q_w = q exp(G) - A_qk w, T_b = T diag(beta); v
-        arrives while T is computed. `halves_hi` and `halves_lo` hold two (hi, lo) pairs of [64, 64]
-        operands: pair 0 and pair 1 serve the inverse and T_b, then carry channel block j's outputs."""
+        arrives while w is computed. `halves_hi` and `halves_lo` hold two (hi, lo) pairs of [64, 64]
+        operands: pair 0 and pair 1 serve the inverse and T_b, then carry channel block j's outputs;
+        v's buffers hold A_kk's halves for the inverse."""
         pair = lambda j: (halves_hi.at[j], halves_lo.at[j])  # noqa: E731
         pair_a, pair_b = pair(0), pair(1)
+        t = _unit_lower_inverse(a_kk, (v_s.at[0], v_s.at[1]), pair_a, pair_b) * cols_of(_load(beta_s, _COL))
+        _store_split(t, pair_b)  # T_b: the left operand of w and u; every warp is past the inverse
         for j, cols in enumerate(blocks):
             plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_s.at[j], v_loaded)
-        t = _unit_lower_inverse(a_kk, pair_a, pair_b) * cols_of(_load(beta_s, _COL))
-        _store_split(t, pair_b)  # T_b: the left operand of w and u
 
         def send(j, cols, value, hi_ref, lo_ref):  # block j's output through pair j
             _store_split(value, pair(j))

@@ -148,7 +148,7 @@ def test_chain_with_one_slot_matches_two_slots(b, t, h, d):
 def test_chain_with_fewer_output_products(o_products):
     """q_w S in fewer bf16 products changes o alone: the state equals the three-product form's bit for
     bit, and o (fp32 here, to see the products' own error) stays within bf16's precision of the
-    reference while the three-product form is far inside it."""
+    reference while the three-product form is well inside it (5e-4: the scores' tf32 products)."""
     b, t, h, d = 2, 130, 2, 64
     q, k, v, g, beta = scan_inputs(13, b, t, h, d)
     s0 = jax.random.normal(jax.random.key(13), (b, h, d, d))
@@ -159,7 +159,7 @@ def test_chain_with_fewer_output_products(o_products):
     np.testing.assert_array_equal(s, s3)
     o_ref, _ = kda.kda_chunk_scan_reference(q, k, v, g, beta, s0, lengths=lengths)
     error, error3 = (relative_error(np.asarray(x[:, :t]), np.asarray(o_ref)) for x in (o, o3))
-    assert error3 < 1e-4 and error < 4e-3, (error, error3)
+    assert error3 < 5e-4 and error < 4e-3, (error, error3)
     assert error > error3  # the products did change
     if o_products == 2:  # a bf16 o takes two products by default
         o_bf16, _ = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, interpret=True)
