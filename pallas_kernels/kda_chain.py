@@ -134,6 +134,12 @@ def _chain_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def default_o_products(out_dtype):
+    """q_w S's bf16 products for an o in `out_dtype`: 2 for bf16 (whose rounding is the larger error),
+    3 for fp32."""
+    return 2 if jnp.dtype(out_dtype) == jnp.bfloat16 else 3
+
+
 def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
     slots=2, o_products=None, multicast=False, interpret=False,
@@ -148,15 +154,17 @@ def chain(
     H200 the output error stays at the bf16 floor and the scan is 5-7% faster). The state's products
     are always 3, so the state does not depend on it. `multicast`: the value blocks of a head run as
     one cluster and share each chunk's w, q_w and k exp(G_last - G) tiles (TMA multicast: one read
-    from L2 per head rather than one per block), at the cost of a cluster barrier per chunk."""
-    if o_products is None:
-        o_products = 2 if jnp.dtype(out_dtype) == jnp.bfloat16 else 3
+    from L2 per head rather than one per block), at the cost of a cluster barrier per chunk. `qw_lo`
+    may be None (`kda_intra.intra(qw_lo=False)`) with one or two o products."""
+    o_products = default_o_products(out_dtype) if o_products is None else o_products
     b, h, padded, dk = w.shape
     dv = u_hi.shape[-1]
     block_v = min(block_v, dv)
     c = CHUNK
     if o_products not in (1, 2, 3):
         raise ValueError(f"o_products must be 1, 2 or 3, got {o_products}")
+    if o_products == 3 and qw_lo is None:
+        raise ValueError("o_products=3 multiplies q_w's lo half: qw_lo must be an array, got None")
     if slots not in (1, 2):
         raise ValueError(f"slots must be 1 or 2, got {slots}")
     if multicast and dv // block_v not in CLUSTER_BLOCKS:
@@ -229,8 +237,11 @@ def chunk_scan(
     when the chain's grid has more CTAs than the GPU has SMs and o is bf16, else two; `multicast`
     None picks clusters when the grid fits on the SMs in one wave (on the H200 multicast took the
     chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it 3-15% slower over several waves);
-    `o_products` as in `chain`."""
-    parts = kda_intra.intra(q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, interpret=interpret)
+    `o_products` as in `chain`; q_w's lo half is computed only for three."""
+    o_products = default_o_products(out_dtype) if o_products is None else o_products
+    parts = kda_intra.intra(
+        q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, qw_lo=o_products == 3, interpret=interpret
+    )
     b, _, h, dv = v.shape
     value_blocks = dv // min(block_v, dv)
     one_wave = b * h * value_blocks <= (getattr(jax.devices()[0], "core_count", None) or 132)

@@ -17,7 +17,8 @@ every 8th token for the reference tokens below). The kernel computes:
 - the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
   u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
   o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last). Every fp32 output of the kernel leaves as two
-  bf16 halves (the chain adds u's and A_qk u's, and multiplies q_w's and k exp(G_last - G)'s as they are).
+  bf16 halves (the chain adds u's and A_qk u's, and multiplies q_w's and k exp(G_last - G)'s as they are),
+  q_w as its hi half alone where the chain will not read the lo half (a bf16 o).
 
 Every product is [64, 64] x [64, 64]: the channels go in blocks of 64 (BLOCK_K), so that each
 operand pair takes 16 KB. Both operands come from SMEM (A in registers gave wrong rows on the H200
@@ -154,7 +155,7 @@ def _unit_lower_inverse(a, a_pair, t_pair, c_pair):
 
 def _intra_kernel(
     q_ref, k_ref, v_ref, cum_ref, marks_ref, beta_ref,
-    w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref,
+    w_ref, u_hi_ref, u_lo_ref, qw_refs, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref,
     k_s, cum_s, beta_s, loaded, v_loaded, q_loaded,
 ):
     """One chunk of one head, in blocks of 64 channels: every product is [64, 64] x [64, 64]. k, G and
@@ -285,10 +286,14 @@ def _intra_kernel(
         for j, cols in enumerate(blocks):
             plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_s.at[j], v_loaded)
 
-        def send(j, cols, value, hi_ref, lo_ref):  # block j's output through pair j
-            _store_split(value, pair(j))
-            plgpu.copy_smem_to_gmem(halves_hi.at[j], hi_ref.at[b, h, tokens, cols])
-            plgpu.copy_smem_to_gmem(halves_lo.at[j], lo_ref.at[b, h, tokens, cols])
+        def send(j, cols, value, *refs):  # block j's output through pair j: (hi, lo) halves, or hi alone
+            if len(refs) == 2:
+                _store_split(value, pair(j))
+            else:
+                halves_hi.at[j][...] = value.astype(_BF16)
+                plgpu.commit_smem()
+            for half, ref in zip((halves_hi.at[j], halves_lo.at[j]), refs):
+                plgpu.copy_smem_to_gmem(half, ref.at[b, h, tokens, cols])
 
         @block_loop
         def _(j, cols):  # k's block is read into pair_a before w's block takes its place
@@ -322,7 +327,7 @@ def _intra_kernel(
             a_w = _matmul((c, BLOCK_K), [(a_pair[0], k_s.at[:, cols]), (a_pair[1], k_s.at[:, cols])])
             q_exp = _load(halves_lo.at[j]).astype(_F32) * rows_of(q_scale) * jnp.exp(cum(cols))
             plgpu.commit_smem()  # every warp has read q's block before q_w's halves overwrite it
-            send(j, cols, q_exp - a_w, qw_hi_ref, qw_lo_ref)  # bf16 halves, the chain's left operand
+            send(j, cols, q_exp - a_w, *qw_refs)  # the chain's left operand
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -330,10 +335,11 @@ def _intra_kernel(
     pl.run_scoped(wy_products, _operand_smem(halves), _operand_smem(halves), _operand_smem(halves))
 
 
-def intra(q, k, v, g, beta, lengths, *, interpret=False):
+def intra(q, k, v, g, beta, lengths, *, qw_lo=True, interpret=False):
     """w (bf16), u (hi, lo), q_w (hi, lo), A_qk u (hi, lo), k exp(G_last - G) (hi, lo) [B, H, T', d]
     and exp(G_last) [B, H, T' / 64, dk] fp32; every (hi, lo) a pair of bf16 halves of an fp32 value,
-    hi + lo; T' = T rounded up to whole chunks.
+    hi + lo; T' = T rounded up to whole chunks. `qw_lo` False: q_w's lo half is neither computed nor
+    written (None in its place), for a chain that multiplies q_w's hi half alone (one or two o products).
 
     q, k, v [B, T, H, d] bf16 with d in HEAD_DIMS; g [B, T, H, d] fp32 (natural-log decays, each
     >= MIN_GATE); beta [B, H, T] fp32; lengths [B] int32 (tokens of each sequence, <= T)."""
@@ -346,10 +352,10 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
     if t % 8:  # TMA needs whole 8-row tiles and 16-byte strides in HBM; the rows past T read as zeros anyway
         q, k, v = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v))
         beta = jnp.pad(beta, [(0, 0), (0, 0), (0, -t % 8)])
-    halves = (jax.ShapeDtypeStruct((b, h, padded, dk), _BF16),) * 8
+    half = jax.ShapeDtypeStruct((b, h, padded, dk), _BF16)
     kernel = plgpu.kernel(
         _intra_kernel,
-        out_type=(jax.ShapeDtypeStruct((b, h, padded, dk), _BF16), *halves),
+        out_type=(half, half, half, (half, half) if qw_lo else (half,), half, half, half, half),  # w, u, q_w, ...
         grid=(n_chunks, h, b),
         grid_names=("n", "h", "b"),
         scratch_types=(
@@ -369,4 +375,5 @@ def intra(q, k, v, g, beta, lengths, *, interpret=False):
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="kda_intra",
     )
-    return (*kernel(q, k, v, cum, marks, beta), decay)
+    w, u_hi, u_lo, qw, *rest = kernel(q, k, v, cum, marks, beta)
+    return (w, u_hi, u_lo, qw[0], qw[1] if qw_lo else None, *rest, decay)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import relative_error
 
-from pallas_kernels import kda, kda_chain, kda_gates
+from pallas_kernels import kda, kda_chain, kda_gates, kda_intra
 
 TOLERANCE = 2e-3
 
@@ -164,6 +164,21 @@ def test_chain_with_fewer_output_products(o_products):
     if o_products == 2:  # a bf16 o takes two products by default
         o_bf16, _ = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, interpret=True)
         np.testing.assert_array_equal(np.asarray(o_bf16, np.float32), np.asarray(o.astype(jnp.bfloat16), np.float32))
+
+
+def test_intra_without_q_w_lo_half_writes_the_rest_unchanged():
+    """intra(qw_lo=False), which a bf16 o's scan runs, writes every other output bit for bit as the
+    full form does (q_w's hi half too); a three-product chain refuses the missing lo half."""
+    b, t, h, d = 1, 70, 2, 64
+    q, k, v, g, beta = scan_inputs(15, b, t, h, d)
+    args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, jnp.swapaxes(beta, 1, 2), jnp.full((b,), t, jnp.int32))
+    full = kda_intra.intra(*args, interpret=True)
+    lean = kda_intra.intra(*args, qw_lo=False, interpret=True)
+    assert lean[4] is None and full[4] is not None and np.abs(np.asarray(full[4], np.float32)).max() > 0
+    for x, y in zip(full[:4] + full[5:], lean[:4] + lean[5:]):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    with pytest.raises(ValueError, match="qw_lo must be an array"):
+        kda_chain.chain(*lean, jnp.zeros((b, h, d, d)), out_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("slots", [1, 2])
