@@ -49,7 +49,8 @@ def main():
             got, want = [np.asarray(x, np.float32) for x in got], [np.asarray(x, np.float32) for x in want]
             first = first or (got, want)
             print(
-                f"{case} {name:8s} GPU vs interpreter: o {relative(got[0], want[0]):.1e} state {relative(got[1], want[1]):.1e}"
+                f"{case} {name:8s} GPU vs interpreter: o {relative(got[0], want[0]):.1e}"
+                f" state {relative(got[1], want[1]):.1e}"
                 f" | vs {options.configs.split(',')[0]}: GPU o {relative(got[0], first[0][0]):.1e}"
                 f" state {relative(got[1], first[0][1]):.1e}, interpreter o {relative(want[0], first[1][0]):.1e}"
                 f" state {relative(want[1], first[1][1]):.1e}",
