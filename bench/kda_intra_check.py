@@ -7,7 +7,10 @@ to 1; the scan's errors against the reference are the criterion (bench/RESULTS.m
 The interpreter runs on the CPU: on the GPU backend XLA's excess precision drops the bf16 rounding
 that splits an fp32 operand into halves (the lo halves come out zero).
 
-    PYTHONPATH=$PWD python3 bench/kda_intra_check.py [--cases "B,T,H,D;..."] [--gate -5]
+    PYTHONPATH=$PWD python3 bench/kda_intra_check.py [--cases "B,T,H,D;..."] [--gate -5] [--interpret]
+
+(`--interpret`: no GPU; only the scan, in the interpreter, against the reference: the numbers to
+compare two checkouts by.)
 """
 
 import argparse
@@ -36,32 +39,40 @@ def inputs(b, t, h, d, seed=0, gate=None):
     return q, k, v, g, beta, lengths
 
 
+def compare_intra(case, args):
+    """The intra kernel compiled against interpreted, output by output (max|d| / max|interpreted|)."""
+    valid = np.arange(-(-case[1] // 64) * 64)[None, :] < np.asarray(args[-1])[:, None]  # [B, T']
+    got = jax.jit(kda_intra.intra)(*args)
+    cpu_args = jax.device_put(args, jax.devices("cpu")[0])
+    want = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))(*cpu_args)
+    line = []
+    for name, x, y in zip(NAMES, got, want):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if name != "exp(G_last)":  # [B, H, T', d]: the valid tokens only
+            x, y = np.swapaxes(x, 1, 2)[valid], np.swapaxes(y, 1, 2)[valid]
+        bad = int((~np.isfinite(x)).sum())
+        finite = np.isfinite(x)
+        err = float(np.abs(x - y)[finite].max() / max(np.abs(y).max(), 1e-30)) if finite.any() else float("nan")
+        line.append(f"{name} {err:.1e}" + (f" ({bad} non-finite)" if bad else ""))
+    print(case, " | ".join(line), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=";".join(",".join(map(str, case)) for case in CASES))
     parser.add_argument("--gate", type=float, default=None, help="one log decay for every channel (default: random)")
+    parser.add_argument("--interpret", action="store_true", help="the scan alone, in the interpreter (no GPU)")
     options = parser.parse_args()
     cases = [tuple(int(x) for x in case.split(",")) for case in options.cases.split(";")]
     for case in cases:
         args = inputs(*case, gate=options.gate)
-        valid = np.arange(-(-case[1] // 64) * 64)[None, :] < np.asarray(args[-1])[:, None]  # [B, T']
-        got = jax.jit(kda_intra.intra)(*args)
-        cpu_args = jax.device_put(args, jax.devices("cpu")[0])
-        want = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))(*cpu_args)
-        line = []
-        for name, x, y in zip(NAMES, got, want):
-            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-            if name != "exp(G_last)":  # [B, H, T', d]: the valid tokens only
-                x, y = np.swapaxes(x, 1, 2)[valid], np.swapaxes(y, 1, 2)[valid]
-            bad = int((~np.isfinite(x)).sum())
-            finite = np.isfinite(x)
-            err = float(np.abs(x - y)[finite].max() / max(np.abs(y).max(), 1e-30)) if finite.any() else float("nan")
-            line.append(f"{name} {err:.1e}" + (f" ({bad} non-finite)" if bad else ""))
-        print(case, " | ".join(line), flush=True)
+        if not options.interpret:
+            compare_intra(case, args)
         q, k, v, g, beta, lengths = args
         s0 = jax.random.normal(jax.random.key(1), (case[0], case[2], case[3], case[3]))
         f32 = [x.astype(jnp.float32) for x in (q, k, v)] + [g, jnp.swapaxes(beta, 1, 2)]
-        o, s = jax.jit(lambda *a: kda.kda_chunk_scan(*a[:6], lengths=a[6], implementation="pallas"))(*f32, s0, lengths)
+        scan = lambda *a: kda.kda_chunk_scan(*a[:6], lengths=a[6], implementation="pallas", interpret=options.interpret)  # noqa: E731
+        o, s = jax.jit(scan)(*f32, s0, lengths)
         o_r, s_r = kda.kda_chunk_scan_reference(*f32, s0, lengths=lengths)
         ok = np.arange(case[1])[None, :] < np.asarray(lengths)[:, None]
         o, o_r = np.asarray(o, np.float64)[ok], np.asarray(o_r, np.float64)[ok]
