@@ -9,11 +9,12 @@ that splits an fp32 operand into halves (the lo halves come out zero).
 
     PYTHONPATH=$PWD python3 bench/kda_intra_check.py [--cases "B,T,H,D;..."] [--gate -5] [--interpret]
 
-(`--interpret`: no GPU; only the scan, in the interpreter, against the reference: the numbers to
-compare two checkouts by.)
+(`--interpret`: no GPU; the intra kernel's outputs in the interpreter as one sha256 digest, and the
+scan, in the interpreter, against the reference: the numbers to compare two checkouts by.)
 """
 
 import argparse
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,11 @@ def main():
     cases = [tuple(int(x) for x in case.split(",")) for case in options.cases.split(";")]
     for case in cases:
         args = inputs(*case, gate=options.gate)
-        if not options.interpret:
+        if options.interpret:
+            outputs = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))(*args)
+            digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in outputs)).hexdigest()[:16]
+            print(f"{case} intra's outputs in the interpreter: sha256 {digest}", flush=True)
+        else:
             compare_intra(case, args)
         q, k, v, g, beta, lengths = args
         s0 = jax.random.normal(jax.random.key(1), (case[0], case[2], case[3], case[3]))
