@@ -18,11 +18,6 @@ from kda_intra_check import CASES, inputs
 from pallas_kernels import kda_chain, kda_intra
 
 
-def relative(x, y):
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=";".join(",".join(map(str, case)) for case in CASES[1:]))
@@ -38,8 +33,6 @@ def main():
         first = None
         for name in options.configs.split(","):
             cfg = {"multicast": False, **bench.CONFIGS[name]}
-            if cfg.get("slots") is None:
-                cfg.pop("slots", None)
 
             def chain(*a, interpret, cfg=cfg):
                 return kda_chain.chain(*a, out_dtype=out_dtype, interpret=interpret, **cfg)
@@ -48,12 +41,12 @@ def main():
             want = jax.jit(lambda *a: chain(*a, interpret=True))(*parts, s0)
             got, want = [np.asarray(x, np.float32) for x in got], [np.asarray(x, np.float32) for x in want]
             first = first or (got, want)
+            err = bench.relative_error
             print(
-                f"{case} {name:8s} GPU vs interpreter: o {relative(got[0], want[0]):.1e}"
-                f" state {relative(got[1], want[1]):.1e}"
-                f" | vs {options.configs.split(',')[0]}: GPU o {relative(got[0], first[0][0]):.1e}"
-                f" state {relative(got[1], first[0][1]):.1e}, interpreter o {relative(want[0], first[1][0]):.1e}"
-                f" state {relative(want[1], first[1][1]):.1e}",
+                f"{case} {name:8s} GPU vs interpreter: o {err(got[0], want[0]):.1e} state {err(got[1], want[1]):.1e}"
+                f" | vs {options.configs.split(',')[0]}: GPU o {err(got[0], first[0][0]):.1e}"
+                f" state {err(got[1], first[0][1]):.1e}, interpreter o {err(want[0], first[1][0]):.1e}"
+                f" state {err(want[1], first[1][1]):.1e}",
                 flush=True,
             )
 

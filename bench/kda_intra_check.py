@@ -40,12 +40,15 @@ def inputs(b, t, h, d, seed=0, gate=None):
     return q, k, v, g, beta, lengths
 
 
+interpreted_intra = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))
+
+
 def compare_intra(case, args):
     """The intra kernel compiled against interpreted, output by output (max|d| / max|interpreted|)."""
     valid = np.arange(-(-case[1] // 64) * 64)[None, :] < np.asarray(args[-1])[:, None]  # [B, T']
     got = jax.jit(kda_intra.intra)(*args)
     cpu_args = jax.device_put(args, jax.devices("cpu")[0])
-    want = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))(*cpu_args)
+    want = interpreted_intra(*cpu_args)
     line = []
     for name, x, y in zip(NAMES, got, want):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
@@ -62,13 +65,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=";".join(",".join(map(str, case)) for case in CASES))
     parser.add_argument("--gate", type=float, default=None, help="one log decay for every channel (default: random)")
-    parser.add_argument("--interpret", action="store_true", help="the scan alone, in the interpreter (no GPU)")
+    parser.add_argument(
+        "--interpret", action="store_true", help="no GPU: intra's outputs as a digest, the scan against the reference"
+    )
     options = parser.parse_args()
     cases = [tuple(int(x) for x in case.split(",")) for case in options.cases.split(";")]
     for case in cases:
         args = inputs(*case, gate=options.gate)
         if options.interpret:
-            outputs = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))(*args)
+            outputs = interpreted_intra(*args)
             digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in outputs)).hexdigest()[:16]
             print(f"{case} intra's outputs in the interpreter: sha256 {digest}", flush=True)
         else:
@@ -76,8 +81,8 @@ def main():
         q, k, v, g, beta, lengths = args
         s0 = jax.random.normal(jax.random.key(1), (case[0], case[2], case[3], case[3]))
         f32 = [x.astype(jnp.float32) for x in (q, k, v)] + [g, jnp.swapaxes(beta, 1, 2)]
-        scan = lambda *a: kda.kda_chunk_scan(*a[:6], lengths=a[6], implementation="pallas", interpret=options.interpret)  # noqa: E731
-        o, s = jax.jit(scan)(*f32, s0, lengths)
+        o, s = jax.jit(lambda *a: kda.kda_chunk_scan(
+            *a[:6], lengths=a[6], implementation="pallas", interpret=options.interpret))(*f32, s0, lengths)
         o_r, s_r = kda.kda_chunk_scan_reference(*f32, s0, lengths=lengths)
         ok = np.arange(case[1])[None, :] < np.asarray(lengths)[:, None]
         o, o_r = np.asarray(o, np.float64)[ok], np.asarray(o_r, np.float64)[ok]

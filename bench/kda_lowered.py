@@ -16,6 +16,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 
 from pallas_kernels import kda_chain
 
+
 def lowered_kernels(shape, options):
     """[(kernel name, SMEM bytes requested, module text without debug info)] of the scan at `shape`."""
     requests, modules = [], []

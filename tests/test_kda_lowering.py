@@ -11,6 +11,7 @@ import pytest
 
 from pallas_kernels import kda, kda_chain
 
+
 def lowered_calls(fn, *args):
     """The custom calls of `fn` lowered for the H200."""
     return re.findall(r"custom_call @([\w$.]+)", kda_chain.lower_for_h200(fn, *args).as_text())
