@@ -140,6 +140,18 @@ def default_o_products(out_dtype):
     return 2 if jnp.dtype(out_dtype) == jnp.bfloat16 else 3
 
 
+def _check_options(dv, block_v, out_dtype, slots, o_products, multicast):
+    """The chain's options, checked before any kernel of the scan runs (block_v already capped at dv)."""
+    if o_products not in (1, 2, 3):
+        raise ValueError(f"o_products must be 1, 2 or 3, got {o_products}")
+    if slots not in (1, 2):
+        raise ValueError(f"slots must be 1 or 2, got {slots}")
+    if multicast and dv // block_v not in CLUSTER_BLOCKS:
+        raise ValueError(f"multicast needs 2 to 8 value blocks per head (a cluster), got dv / block_v = {dv // block_v}")
+    if slots == 1 and jnp.dtype(out_dtype) != jnp.bfloat16:
+        raise ValueError(f"slots=1 writes o through a bf16 buffer: out_dtype must be bfloat16, got {out_dtype}")
+
+
 def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
     slots=2, o_products=None, multicast=False, interpret=False,
@@ -161,16 +173,9 @@ def chain(
     dv = u_hi.shape[-1]
     block_v = min(block_v, dv)
     c = CHUNK
-    if o_products not in (1, 2, 3):
-        raise ValueError(f"o_products must be 1, 2 or 3, got {o_products}")
+    _check_options(dv, block_v, out_dtype, slots, o_products, multicast)
     if o_products == 3 and qw_lo is None:
         raise ValueError("o_products=3 multiplies q_w's lo half: qw_lo must be an array, got None")
-    if slots not in (1, 2):
-        raise ValueError(f"slots must be 1 or 2, got {slots}")
-    if multicast and dv // block_v not in CLUSTER_BLOCKS:
-        raise ValueError(f"multicast needs 2 to 8 value blocks per head (a cluster), got dv / block_v = {dv // block_v}")
-    if slots == 1 and jnp.dtype(out_dtype) != jnp.bfloat16:
-        raise ValueError(f"slots=1 writes o through a bf16 buffer: out_dtype must be bfloat16, got {out_dtype}")
     own = () if slots == 1 else (
         tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
         _operand_smem((c, block_v), out_dtype),  # o on its way out
@@ -239,16 +244,18 @@ def chunk_scan(
     chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it 3-15% slower over several waves);
     `o_products` as in `chain`; q_w's lo half is computed only for three."""
     o_products = default_o_products(out_dtype) if o_products is None else o_products
-    parts = kda_intra.intra(
-        q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, qw_lo=o_products == 3, interpret=interpret
-    )
     b, _, h, dv = v.shape
-    value_blocks = dv // min(block_v, dv)
+    block_v = min(block_v, dv)
+    value_blocks = dv // block_v
     one_wave = b * h * value_blocks <= (getattr(jax.devices()[0], "core_count", None) or 132)
     if slots is None:
         slots = 2 if one_wave or jnp.dtype(out_dtype) != jnp.bfloat16 else 1
     if multicast is None:
         multicast = one_wave and value_blocks in CLUSTER_BLOCKS
+    _check_options(dv, block_v, out_dtype, slots, o_products, multicast)  # before the intra kernel runs
+    parts = kda_intra.intra(
+        q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, qw_lo=o_products == 3, interpret=interpret
+    )
     return chain(
         *parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, o_products=o_products,
         multicast=multicast, interpret=interpret,

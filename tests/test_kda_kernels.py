@@ -126,7 +126,9 @@ def test_gate_sums_refuses_a_tile_other_than_128_or_256(block):
         kda_gates.gate_sums(g, jnp.array([64], jnp.int32), 64, block=block)
 
 
-@pytest.mark.parametrize("b, t, h, d", [(2, 200, 2, 64), (1, 130, 1, 128)])
+@pytest.mark.parametrize(
+    "b, t, h, d", [pytest.param(2, 200, 2, 64, marks=pytest.mark.slow), (1, 130, 1, 128)]  # slow: time, not coverage
+)
 def test_chain_with_one_slot_matches_two_slots(b, t, h, d):
     """The chain's one-slot form (tiles fetched after each chunk, buffers shared, for two CTAs per
     SM) computes what the two-slot form does, bit for bit, and both match the reference."""
@@ -181,8 +183,13 @@ def test_intra_without_q_w_lo_half_writes_the_rest_unchanged():
         kda_chain.chain(*lean, jnp.zeros((b, h, d, d)), out_dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("slots", [1, 2])
-@pytest.mark.parametrize("d, block_v", [(64, 32), (128, 32), (128, 16)])  # clusters of 2, 4 and 8 value blocks
+# Clusters of 2, 4 and 8 value blocks, each with one and two slots. The default run keeps one of the
+# six (every case takes ~28 s in the interpreter); the rest run with -m slow.
+@pytest.mark.parametrize(
+    "slots, d, block_v",
+    [(2, 64, 32)]
+    + [pytest.param(*case, marks=pytest.mark.slow) for case in [(1, 64, 32), (1, 128, 32), (2, 128, 32), (1, 128, 16), (2, 128, 16)]],
+)
 def test_chain_multicast_matches_separate_fetches(slots, d, block_v):
     """The chain with a head's value blocks in one cluster (tiles shared by TMA multicast, slots freed
     through a cluster barrier) computes what separate fetches do, bit for bit."""
@@ -207,6 +214,27 @@ def test_chain_one_slot_refuses_an_fp32_output():
     parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
     with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
         kda_chain.chain(*parts, out_dtype=jnp.float32, slots=1)
+
+
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        (dict(slots=3), "slots must be 1 or 2"),
+        (dict(o_products=4), "o_products must be 1, 2 or 3"),
+        (dict(multicast=True, block_v=64), "multicast needs 2 to 8 value blocks"),
+        (dict(slots=1, out_dtype=jnp.float32), "out_dtype must be bfloat16"),
+    ],
+)
+def test_chunk_scan_refuses_bad_chain_options_before_the_intra_kernel(monkeypatch, option, match):
+    def intra_launched(*args, **kwargs):
+        raise AssertionError("the intra kernel ran before the chain's options were checked")
+
+    monkeypatch.setattr(kda_intra, "intra", intra_launched)
+    b, t, h, d = 1, 64, 1, 64
+    args = (*(jnp.zeros((b, t, h, d), jnp.bfloat16) for _ in range(3)), jnp.zeros((b, t, h, d)), jnp.zeros((b, t, h)))
+    kwargs = dict(out_dtype=jnp.bfloat16, interpret=True) | option
+    with pytest.raises(ValueError, match=match):
+        kda_chain.chunk_scan(*args, jnp.zeros((b, h, d, d)), jnp.full((b,), t, jnp.int32), **kwargs)
 
 
 def test_lengths_in_the_reference_stop_each_sequence_at_its_own_end():
