@@ -271,6 +271,12 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
         ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
         fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
         roof = 2 * b * h * d * d * 4 / hbm * 1e3
+        # The floor under this timing: XLA's own elementwise pass over the state (read and written in
+        # place, the same bytes as the step's state traffic), chained and donated the same way.
+        ms = chain_ms(lambda state: (state * 0.999 + 1e-6,), (x["state"] + 0,))
+        log(f"XLA in-place pass over the state B={b}: {ms:.4f} ms in an unrolled chain ({roof / ms * 100:.0f}% of roofline)")
+        ROWS.append(("decode", "XLA elementwise pass over the state (floor)", f"B={b}", float("nan"), ms,
+                     f"{roof / ms * 100:.0f}% of {roof:.4f} ms"))
         for block_v, warps in variants:  # decode_step takes min(block_v, d)
             def call(conv_state, state, block_v=block_v, warps=warps):
                 return kda_triton.decode_step(
