@@ -272,8 +272,9 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
         fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
         roof = 2 * b * h * d * d * 4 / hbm * 1e3
         # The floor under this timing: XLA's own elementwise pass over the state (read and written in
-        # place, the same bytes as the step's state traffic), chained and donated the same way.
-        ms = chain_ms(lambda state: (state * 0.999 + 1e-6,), (x["state"] + 0,))
+        # place, the same bytes as the step's state traffic), chained and donated the same way; the
+        # barrier keeps XLA from fusing the 20 passes into one.
+        ms = chain_ms(lambda state: (jax.lax.optimization_barrier(state * 0.999 + 1e-6),), (x["state"] + 0,))
         log(f"XLA in-place pass over the state B={b}: {ms:.4f} ms in an unrolled chain ({roof / ms * 100:.0f}% of roofline)")
         ROWS.append(("decode", "XLA elementwise pass over the state (floor)", f"B={b}", float("nan"), ms,
                      f"{roof / ms * 100:.0f}% of {roof:.4f} ms"))
