@@ -12,8 +12,8 @@ every 8th token for the reference tokens below). The kernel computes:
   factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound). Two passes, one per
   choice of references, with fp32 operands multiplied as tf32;
 - T = (I + A_kk)^-1 by block forward substitution, merging diagonal blocks of 1, 2, 4, ... 32 rows
-  (stable where a Neumann series is not: a dense A_kk, from slow decay and similar keys, gives
-  Neumann terms like C(62, 31));
+  (the first merge in closed form, the other five on the tensor cores; stable where a Neumann series
+  is not: a dense A_kk, from slow decay and similar keys, gives Neumann terms like C(62, 31));
 - the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
   u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
   o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last). Every fp32 output of the kernel leaves as two
