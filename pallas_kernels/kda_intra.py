@@ -60,6 +60,7 @@ L2_EPS = 1e-6
 MIN_GATE = -5.0
 HEAD_DIMS = (64, 128)
 BLOCK_K = 64  # channels per step: every product is [64, 64] x [64, 64]
+_SUB_BLOCK = 16  # rows of the inverse's diagonal blocks computed on the CUDA cores
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 _MARKS = CHUNK // kda_gates.MARK  # G is also passed at every 8th token (the scores' reference tokens and the last)
@@ -130,19 +131,49 @@ def _store_split(x, pair):
     plgpu.commit_smem()
 
 
-def _unit_lower_inverse(a, a_pair, t_pair, c_pair):
-    """(I + A)^-1 for strictly lower fp32 [C, C] A by block forward substitution: starting from blocks
-    of one row, merge neighbouring diagonal blocks, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]],
+def _diagonal_block_inverses(a, rows_s):
+    """(I + A)^-1 on the [16, 16] diagonal blocks of strictly lower fp32 [C, C] A, exactly in fp32 by
+    forward substitution on the CUDA cores, all four blocks at once as a [C, 16] tile (row i holds its
+    block's row): at step j, every row below row j of its block subtracts A[i, j] times row j, which
+    is final by then. Row j reaches every thread through `rows_s`, an fp32 [C, 16] buffer. Returns
+    the inverses in place on the diagonal of a [C, C] tile, zero elsewhere."""
+    sub = _SUB_BLOCK
+    tile = (a.shape[0], sub)
+    row, col = _iota(tile, 0), _iota(tile, 1)
+    offset, block = row % sub, row // sub
+    blocks = range(a.shape[0] // sub)
+    diagonal = a[:, :sub]  # A's diagonal blocks stacked: diagonal[i, j] = A[i, 16 block(i) + j]
+    for k in blocks[1:]:
+        diagonal = jnp.where(block == k, a[:, k * sub : (k + 1) * sub], diagonal)
+
+    def step(j, inverse):
+        rows_s[...] = inverse
+        plgpu.commit_smem()
+        pivot = None  # row j of each block, for that block's rows
+        for k in blocks:
+            row_j = lax.broadcast_in_dim(_load(rows_s.at[k * sub + j], _COL, optimized=False), tile, [1])
+            pivot = row_j if pivot is None else jnp.where(block == k, row_j, pivot)
+        coefficient = lax.broadcast_in_dim(jnp.sum(jnp.where(col == j, diagonal, 0.0), axis=1), tile, [0])
+        plgpu.commit_smem()  # every warp has read row j before the next step rewrites the buffer
+        return jnp.where(offset > j, inverse - coefficient * pivot, inverse)
+
+    inverse = lax.fori_loop(0, sub - 1, step, jnp.where(col == offset, 1.0, 0.0))
+    return jnp.concatenate([jnp.where(block == k, inverse, 0.0) for k in blocks], axis=1)
+
+
+def _unit_lower_inverse(a, a_pair, t_pair, c_pair, rows_s):
+    """(I + A)^-1 for strictly lower fp32 [C, C] A by block forward substitution: the [16, 16] diagonal
+    blocks exactly in fp32 on the CUDA cores (`_diagonal_block_inverses`), then merges of neighbouring
+    diagonal blocks, 16 -> 32 -> 64 rows, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]],
     for all blocks at once as T <- T - T (L T), L = A on the merged blocks' lower-left quadrants.
     The factors are entries of A and of the inverse itself, so nothing grows past the inverse's own
     size; a Neumann series (the doubling this replaced) has terms like C(62, 31) a^32 when A is dense
     (slow decay, similar keys), which cancelled to inf - inf. T is block diagonal, so L T is A T on
     those quadrants, bit for bit (the other products are exact zeros): A is split once, and T's halves
     serve as the right operand of A T and the left one of T (L T). `a_pair`, `t_pair` and `c_pair`
-    are (hi, lo) pairs of [C, C] buffers for A, T and L T. The first merge, of single rows, is exact
-    in closed form ([[1, 0], [a, 1]]^-1 = [[1, 0], [-a, 1]]): five merges on the tensor cores, not six.
-    A loop, not unrolled: the kernel's straight-line code outgrew the instruction cache (most stalls
-    on the H200 were fetches)."""
+    are (hi, lo) pairs of [C, C] buffers for A, T and L T; `rows_s` an fp32 [C, 16] buffer. A loop,
+    not unrolled: the kernel's straight-line code outgrew the instruction cache (most stalls on the
+    H200 were fetches)."""
     shape = a.shape
     r, c = _iota(shape, 0), _iota(shape, 1)
     _store_split(a, a_pair)
@@ -154,8 +185,8 @@ def _unit_lower_inverse(a, a_pair, t_pair, c_pair):
         _store_split(coupling, c_pair)
         return inverse - _precise(shape, t_pair, c_pair)
 
-    pairs = jnp.where(((r ^ c) == 1) & (r > c), -a, 0.0)  # the inverses of the 2-row diagonal blocks
-    return lax.fori_loop(1, int(math.log2(CHUNK)), merge, jnp.where(r == c, 1.0, pairs))
+    first = int(math.log2(_SUB_BLOCK))
+    return lax.fori_loop(first, int(math.log2(CHUNK)), merge, _diagonal_block_inverses(a, rows_s))
 
 
 def _intra_kernel(
@@ -279,14 +310,14 @@ def _intra_kernel(
         plgpu.SMEM((_MARKS, dk), _F32),
     )
 
-    def wy_products(v_s, halves_hi, halves_lo):
+    def wy_products(v_s, halves_hi, halves_lo, rows_s):
         """w = T_b (k exp(G)), u = T_b v, A_qk u and q_w = q exp(G) - A_qk w, T_b = T diag(beta); v
         arrives while w is computed. `halves_hi` and `halves_lo` hold two (hi, lo) pairs of [64, 64]
         operands: pair 0 and pair 1 serve the inverse and T_b, then carry channel block j's outputs;
         v's buffers hold A_kk's halves for the inverse."""
         pair = lambda j: (halves_hi.at[j], halves_lo.at[j])  # noqa: E731
         pair_a, pair_b = pair(0), pair(1)
-        t = _unit_lower_inverse(a_kk, (v_s.at[0], v_s.at[1]), pair_a, pair_b) * cols_of(_load(beta_s, _COL))
+        t = _unit_lower_inverse(a_kk, (v_s.at[0], v_s.at[1]), pair_a, pair_b, rows_s) * cols_of(_load(beta_s, _COL))
         _store_split(t, pair_b)  # T_b: the left operand of w and u; every warp is past the inverse
         for j, cols in enumerate(blocks):
             plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_s.at[j], v_loaded)
@@ -337,7 +368,9 @@ def _intra_kernel(
         plgpu.wait_smem_to_gmem(0)
 
     halves = (2, c, c)
-    pl.run_scoped(wy_products, _operand_smem(halves), _operand_smem(halves), _operand_smem(halves))
+    pl.run_scoped(
+        wy_products, _operand_smem(halves), _operand_smem(halves), _operand_smem(halves), plgpu.SMEM((c, _SUB_BLOCK), _F32)
+    )
 
 
 def intra(q, k, v, g, beta, lengths, *, qw_lo=True, interpret=False):
