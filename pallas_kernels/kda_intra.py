@@ -11,9 +11,10 @@ every 8th token for the reference tokens below). The kernel computes:
   normal in fp32 and tf32), or the boundary between the later queries and the earlier keys (both
   factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound). Two passes, one per
   choice of references, with fp32 operands multiplied as tf32;
-- T = (I + A_kk)^-1 by block forward substitution, merging diagonal blocks of 1, 2, 4, ... 32 rows
-  (the first merge in closed form, the other five on the tensor cores; stable where a Neumann series
-  is not: a dense A_kk, from slow decay and similar keys, gives Neumann terms like C(62, 31));
+- T = (I + A_kk)^-1 by block forward substitution: the 16-row diagonal blocks in fp32 on the CUDA
+  cores, then two merges of diagonal blocks (16 -> 32 -> 64 rows) on the tensor cores (stable where a
+  Neumann series is not: a dense A_kk, from slow decay and similar keys, gives Neumann terms like
+  C(62, 31));
 - the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
   u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
   o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last). Every fp32 output of the kernel leaves as two
@@ -25,8 +26,8 @@ operand pair takes 16 KB. Both operands come from SMEM (A in registers gave wron
 under this kernel's register pressure); every tile load is free of bank conflicts
 (`optimized=True`). SMEM: k, G and beta for the whole kernel, the rest scoped per phase (q and the
 score passes' operands; then v's buffers, which hold A_kk's halves for the inverse until v comes in,
-and the pairs of the inverse and the WY products, which reuse v's buffers after u and bring q back
-for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
+and the pairs of the inverse (and a 4 KB fp32 buffer for its diagonal blocks' rows) and the WY
+products, which reuse v's buffers after u and bring q back for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
 (202 KB and one CTA before). The repeated stages (score passes, merge steps, 64-channel blocks) are
 loops: unrolled, the code outgrew the instruction cache (on the H200 the loops took the kernel from
 1.56 to 0.92 ms at (1, 16384, 16), and its cycles per issued instruction from 8.4 to 4.6).
