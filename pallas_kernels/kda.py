@@ -13,7 +13,7 @@ and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions ar
 the oracles of the Pallas kernels in `kda_gates`, `kda_intra`, `kda_chain` and `kda_triton`.
 
 A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
-sequence): a padded position neither decays nor writes the state (g = 0, beta = 0 there), so the
+sequence, each in [0, T]; checked where the values are known, outside jit): a padded position neither decays nor writes the state (g = 0, beta = 0 there), so the
 final state is each sequence's state after its own last token; outputs at padded positions are
 meaningless.
 
@@ -26,6 +26,7 @@ gates ask for "reference".
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.scipy.linalg import solve_triangular
 
 from pallas_kernels import kda_chain, kda_intra, kda_triton
@@ -87,6 +88,10 @@ def _check_inputs(q, k, v, g, beta, initial_state, lengths=None):
         raise ValueError(f"initial_state must be [B, H, dk, dv] = {(b, h, dk, v.shape[-1])}, got {initial_state.shape}")
     if lengths is not None and (lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
         raise ValueError(f"lengths must be integer [B] = [{b}], got {lengths.dtype}{list(lengths.shape)}")
+    if lengths is not None and not isinstance(lengths, jax.core.Tracer):  # values are known outside jit only
+        values = np.asarray(lengths)
+        if values.size and (values.min() < 0 or values.max() > t):
+            raise ValueError(f"lengths must be in [0, T] = [0, {t}], got {values.tolist()}")
 
 
 def _prepare(q, k, v, g, beta, initial_state, lengths):
@@ -263,7 +268,7 @@ def kda_chunk_scan(
     if _pick(implementation, _scan_unsupported(q, v, chunk_size), q.dtype) == "reference":
         return kda_chunk_scan_reference(q, k, v, g, beta, initial_state, chunk_size=chunk_size, lengths=lengths)
     b, t, h, dk = q.shape
-    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.minimum(lengths.astype(jnp.int32), t)
+    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     if initial_state is None:
         initial_state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
     bf16 = jnp.bfloat16

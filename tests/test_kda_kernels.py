@@ -285,6 +285,9 @@ def test_bad_arguments_raise_before_any_launch():
         pallas_scan(q, k, v, g, beta, jnp.zeros((2, 2, 16, 8)))
     with pytest.raises(ValueError, match="lengths"):
         pallas_scan(q, k, v, g, beta, lengths=jnp.array([3], jnp.int32))
+    for lengths in ([10, 11], [-1, 10]):  # T = 10
+        with pytest.raises(ValueError, match=r"lengths must be in \[0, T\] = \[0, 10\]"):
+            pallas_scan(q, k, v, g, beta, lengths=jnp.array(lengths, jnp.int32))
     with pytest.raises(ValueError, match="chunk_size"):
         pallas_scan(q, k, v, g, beta, chunk_size=32)
     with pytest.raises(ValueError, match="dk and dv must be equal and one of"):
