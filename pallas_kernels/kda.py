@@ -13,9 +13,9 @@ and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions ar
 the oracles of the Pallas kernels in `kda_gates`, `kda_intra`, `kda_chain` and `kda_triton`.
 
 A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
-sequence, each in [0, T]; checked where the values are known, outside jit): a padded position neither decays nor writes the state (g = 0, beta = 0 there), so the
-final state is each sequence's state after its own last token; outputs at padded positions are
-meaningless.
+sequence, each in [0, T]; checked where the values are known, outside jit): a padded position
+neither decays nor writes the state (g = 0, beta = 0 there), so the final state is each sequence's
+state after its own last token; outputs at padded positions are meaningless.
 
 Dispatch (`implementation`): None picks "pallas" on a GPU backend for bf16 inputs of supported
 shapes, else "reference"; "pallas" with `interpret=True` runs the kernels in Pallas' interpreter (CPU tests).

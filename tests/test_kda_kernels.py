@@ -184,7 +184,7 @@ def test_intra_without_q_w_lo_half_writes_the_rest_unchanged():
 
 
 # Clusters of 2, 4 and 8 value blocks, each with one and two slots. The default run keeps one of the
-# six (every case takes ~28 s in the interpreter); the rest run with -m slow.
+# six (each case takes 10-30 s in the interpreter); the rest run with -m slow.
 @pytest.mark.parametrize(
     "slots, d, block_v",
     [(2, 64, 32)]
