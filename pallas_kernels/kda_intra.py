@@ -24,13 +24,14 @@ every 8th token for the reference tokens below). The kernel computes:
 Every product is [64, 64] x [64, 64]: the channels go in blocks of 64 (BLOCK_K), so that each
 operand pair takes 16 KB. Both operands come from SMEM (A in registers gave wrong rows on the H200
 under this kernel's register pressure); every tile load is free of bank conflicts
-(`optimized=True`). SMEM: k, G and beta for the whole kernel, the rest scoped per phase (q and the
+(`optimized=True`; single rows, G's marks and the inverse's pivots, are read without). SMEM: k, G and beta for the whole kernel, the rest scoped per phase (q and the
 score passes' operands; then v's buffers, which hold A_kk's halves for the inverse until v comes in,
 and the pairs of the inverse (and a 4 KB fp32 buffer for its diagonal blocks' rows) and the WY
-products, which reuse v's buffers after u and bring q back for q_w): 103 KB at dk = 128 by the lowering, so two CTAs share an SM
-(202 KB and one CTA before). The repeated stages (score passes, merge steps, 64-channel blocks) are
-loops: unrolled, the code outgrew the instruction cache (on the H200 the loops took the kernel from
-1.56 to 0.92 ms at (1, 16384, 16), and its cycles per issued instruction from 8.4 to 4.6).
+products, which reuse v's buffers after u and bring q back for q_w): 103 KB at dk = 128 by the
+lowering, so two CTAs share an SM (202 KB and one CTA before). The repeated stages (score passes,
+merge steps, 64-channel blocks) are loops: unrolled, the code outgrew the instruction cache (on the
+H200 the loops took the kernel from 1.56 to 0.92 ms at (1, 16384, 16), and its cycles per issued
+instruction from 8.4 to 4.6).
 
 Precision: the scores' operands are rounded to tf32 (11 significant bits, one product: the tensor
 cores multiply fp32 operands as tf32, at half the rate of bf16); every later product carries fp32
