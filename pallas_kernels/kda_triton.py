@@ -35,18 +35,16 @@ def _decode_kernel(
         if write:
             for j in range(kernel):
                 conv_out_ref[b, part, chans, j] = window[j].astype(conv_out_ref.dtype)
-        return jax.nn.sigmoid(y) * y
+        return (jax.nn.sigmoid(y) * y).astype(qkv_ref.dtype).astype(jnp.float32)
 
-    first = vb == 0
-    q = conv_silu(0, heads_k, False).astype(qkv_ref.dtype).astype(jnp.float32)
-    k = conv_silu(1, heads_k, False).astype(qkv_ref.dtype).astype(jnp.float32)
+    q = conv_silu(0, heads_k, False)
+    k = conv_silu(1, heads_k, False)
 
-    @pl.when(first)
+    @pl.when(vb == 0)
     def _():  # q and k conv states are shared by the value blocks: one program writes them
         conv_silu(0, heads_k, True)
         conv_silu(1, heads_k, True)
 
-    v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v), True).astype(qkv_ref.dtype).astype(jnp.float32)
     q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q) + kda_intra.L2_EPS))
     k = k / jnp.sqrt(jnp.sum(k * k) + kda_intra.L2_EPS)
 
@@ -58,14 +56,22 @@ def _decode_kernel(
         g = -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
     beta = jax.nn.sigmoid(beta_ref[b, h].astype(jnp.float32))
 
-    # With D = diag(exp g): predicted = k^T D S and o = q^T D S + (q . k) delta, two independent
-    # reductions over the old state, then S <- D S + k delta^T.
     decay = jnp.exp(g)
+    qk = jnp.sum(q * k)
+    v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v), True)
+    s_out_ref[b, h, :, cols], o = slab_update(s, q, k, v, decay, beta, qk)
+    o_ref[b, h, cols] = o.astype(o_ref.dtype)
+
+
+def slab_update(s, q, k, v, decay, beta, qk):
+    """The delta rule on a [dk, block_v] slab of the state: (new slab, o's block_v columns).
+
+    With D = diag(decay): predicted = k^T D S and o = q^T D S + (q . k) delta, two independent
+    reductions over the old state, then S <- D S + k delta^T."""
     predicted = jnp.sum((k * decay)[:, None] * s, axis=0)
     o = jnp.sum((q * decay)[:, None] * s, axis=0)
     delta = (v - predicted) * beta
-    s_out_ref[b, h, :, cols] = s * decay[:, None] + k[:, None] * delta[None, :]
-    o_ref[b, h, cols] = (o + jnp.sum(q * k) * delta).astype(o_ref.dtype)
+    return s * decay[:, None] + k[:, None] * delta[None, :], o + qk * delta
 
 
 def decode_step(
