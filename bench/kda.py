@@ -8,10 +8,12 @@ state-bytes roofline and fla's `fused_recurrent_kda_fwd` (core update only, as p
 Errors are max|d| / max|ref| against the reference on the same bf16 inputs (the reference in fp32,
 HIGHEST precision). Times are medians: ours and jla's prefill as 20 jitted calls dispatched back to
 back (`dispatched_ms`; the time in a jitted loop, where XLA may hoist loop-invariant work, is printed
-beside it), fla's prefill with triton.testing.do_bench. Decode steps
-are timed back to back, as a decoder runs them: ours as 20 calls unrolled in one jit (`chain_ms`;
-the fori_loop's time is printed beside it: at 0.2 ms a step, the host round trip of XLA's while loop
-would be 6-10% of it), fla's as 20 calls in one CUDA graph (`torch_chain_ms`; do_bench beside it).
+beside it), fla's prefill with triton.testing.do_bench. Decode steps are measured by the kernel's
+own GPU time, read from a profiler trace (CUPTI) of 20 steps back to back (`kernel_ms` for ours and
+XLA's in-place pass, `torch_kernel_ms` for fla): the time a decoder's step costs inside a larger
+program. Beside it, the wall time per step of 20 calls unrolled in one jit (`chain_ms`) or captured
+in one CUDA graph (`torch_chain_ms`), which adds the dispatch of the whole chain (~20 us a step for
+ours at n = 20, ~1 us for fla's graph).
 
 On the GPU machine, from the repository root, with the peers' wheels in .peers/:
     python3 -m pip install -q --no-index --no-deps --target .peers-site .peers/*.whl
@@ -110,6 +112,51 @@ def chain_ms(call, carry, n=20, reps=7):
         state[0] = jax.block_until_ready(run(state[0]))
 
     return per_call_ms(run_chain, n, reps)
+
+
+def kernel_ms(call, carry, name_part, n=20):
+    """Median GPU time of the kernels named `*name_part*` in n calls of `call(*carry) -> carry`
+    unrolled in one jit (the carry donated), read from a `jax.profiler` trace (CUPTI): the kernel's
+    own time, without the ~0.4 ms that dispatching and waiting for the whole jitted chain add to
+    `chain_ms` (~20 us a step at n = 20). A decoder's step inside a larger jitted program pays the
+    kernel's time, not that."""
+    import functools
+    import glob
+    import tempfile
+
+    run = jax.jit(lambda c: functools.reduce(lambda c, _: call(*c), range(n), c), donate_argnums=0)
+    carry = jax.block_until_ready(run(tuple(x + 0 for x in carry)))  # compile and warm up
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(run(carry))
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    times = [
+        event.duration_ns / 1e6
+        for plane in data.planes if plane.name.startswith("/device:GPU")
+        for line in plane.lines for event in line.events if name_part in event.name
+    ]
+    if len(times) != n:
+        raise RuntimeError(f"expected {n} kernels named *{name_part}* in the trace, found {len(times)}")
+    return statistics.median(times)
+
+
+def torch_kernel_ms(fn, name_part, n=20):
+    """Median GPU time of the CUDA kernels named `*name_part*` in n calls of `fn`, read from a
+    torch.profiler trace (CUPTI), as `kernel_ms` reads ours."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    times = [e.time_range.elapsed_us() / 1e3 for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and name_part in e.name]
+    if len(times) != n:
+        raise RuntimeError(f"expected {n} kernels named *{name_part}* in the trace, found {len(times)}")
+    return statistics.median(times)
 
 
 def prefill_inputs(b, t, h, d, seed=0):
@@ -271,13 +318,19 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
         ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
         fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
         roof = 2 * b * h * d * d * 4 / hbm * 1e3
-        # The floor under this timing: XLA's own elementwise pass over the state (read and written in
-        # place, the same bytes as the step's state traffic), chained and donated the same way; the
-        # barrier keeps XLA from fusing the 20 passes into one.
-        ms = chain_ms(lambda state: (jax.lax.optimization_barrier(state * 0.999 + 1e-6),), (x["state"] + 0,))
-        log(f"XLA in-place pass over the state B={b}: {ms:.4f} ms in an unrolled chain ({roof / ms * 100:.0f}% of roofline)")
-        ROWS.append(("decode", "XLA elementwise pass over the state (floor)", f"B={b}", float("nan"), ms,
-                     f"{roof / ms * 100:.0f}% of {roof:.4f} ms"))
+
+        def report(name, err, kernel, wall, note=""):
+            kernel_note = "" if kernel is None else f"kernel {kernel:.4f} ms ({roof / kernel * 100:.0f}% of roofline); "
+            log(f"{name} B={b}: {kernel_note}{wall:.4f} ms per step by the wall ({roof / wall * 100:.0f}%) {note}")
+            ROWS.append(("decode", name, f"B={b}", err, wall if kernel is None else kernel,
+                         f"{kernel_note}{wall:.4f} ms by the wall ({roof / wall * 100:.0f}%) {note}"))
+
+        # XLA's own elementwise pass over the state (read and written in place, the same bytes as the
+        # step's state traffic), chained and donated the same way; the barrier keeps XLA from fusing
+        # the 20 passes into one.
+        xla_pass = lambda state: (jax.lax.optimization_barrier(state * 0.999 + 1e-6),)  # noqa: E731
+        report("XLA elementwise pass over the state", float("nan"),
+               None if INTERPRET else kernel_ms(xla_pass, (x["state"],), "fusion"), chain_ms(xla_pass, (x["state"] + 0,)))
         for block_v, warps in variants:  # decode_step takes min(block_v, d)
             def call(conv_state, state, block_v=block_v, warps=warps):
                 return kda_triton.decode_step(
@@ -287,12 +340,11 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
 
             got = jax.jit(call)(x["conv_state"], x["state"])
             err = max(relative_error(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref))
-            loop = loop_ms(lambda carry: call(*carry)[1:], (x["conv_state"], x["state"]), n=50)
-            ms = chain_ms(lambda *carry: call(*carry)[1:], (x["conv_state"] + 0, x["state"] + 0))
-            log(f"ours decode B={b} block_v={block_v} warps={warps}: {ms:.4f} ms in an unrolled chain ({loop:.4f} in a"
-                f" loop); roofline {roof:.4f} ms ({roof / ms * 100:.0f}%)  err {err:.2e}")
-            ROWS.append(("decode", f"ours kda_decode_step block_v={block_v} warps={warps}", f"B={b}", err, ms,
-                         f"{roof / ms * 100:.0f}% of {roof:.4f} ms; {loop:.4f} ms in a fori_loop"))
+            step = lambda *carry: call(*carry)[1:]  # noqa: E731
+            carry = (x["conv_state"], x["state"])
+            report(f"ours kda_decode_step block_v={block_v} warps={warps}", err,
+                   None if INTERPRET else kernel_ms(step, carry, "kda_decode_step"),
+                   chain_ms(step, tuple(a + 0 for a in carry)))
     if not PEERS:
         return
     try:
@@ -310,12 +362,14 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
                 q, k, v, gg, beta, initial_state=h0, output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=True
             )
             per_call = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-            ms = torch_chain_ms(fn)
             roof = 2 * b * h * d * d * 4 / hbm * 1e3
-            log(f"fla fused_recurrent_kda_fwd B={b}: {ms:.4f} ms in a chain of 20 ({roof / ms * 100:.0f}% of roofline);"
-                f" {per_call:.4f} ms one call at a time (do_bench)")
-            ROWS.append(("decode", "fla fused_recurrent_kda_fwd (core only)", f"B={b}", float("nan"), ms,
-                         f"{roof / ms * 100:.0f}%; {per_call:.4f} ms by do_bench"))
+            kernel = torch_kernel_ms(fn, "fused_recurrent_kda")
+            ms = torch_chain_ms(fn)
+            log(f"fla fused_recurrent_kda_fwd B={b}: kernel {kernel:.4f} ms ({roof / kernel * 100:.0f}% of roofline);"
+                f" {ms:.4f} ms per step in a CUDA graph of 20 ({roof / ms * 100:.0f}%); {per_call:.4f} ms by do_bench")
+            ROWS.append(("decode", "fla fused_recurrent_kda_fwd (core only)", f"B={b}", float("nan"), kernel,
+                         f"kernel {roof / kernel * 100:.0f}%; {ms:.4f} ms per step in a CUDA graph ({roof / ms * 100:.0f}%);"
+                         f" {per_call:.4f} ms by do_bench"))
     except Exception:
         traceback.print_exc()
 

@@ -1,11 +1,13 @@
-"""Probe: where the fused decode step's time goes. At each batch (H = 64, D = 128), timed as
-`bench/kda.py` times the step (20 calls unrolled in one jit, the state donated), in ms and % of the
-state-bytes roofline:
+"""Probe: where the fused decode step's time goes. At each batch (H = 64, D = 128), measured as
+`bench/kda.py` measures the step (the kernel's GPU time from a profiler trace of 20 calls unrolled
+in one jit, the state donated; the wall time per step beside it), in ms and % of the state-bytes
+roofline:
   - XLA's in-place elementwise pass over the state (the floor under this timing);
   - `state only`: the step's slab update alone (`kda_triton.slab_update`), its token vectors (q, k
     normalised, v, decay, beta) given in fp32 as fla's step takes them: what the state streaming
     costs without the conv, SiLU, norms and gate;
-  - the token vectors computed by XLA alone (the work the fused step adds per program);
+  - the token vectors computed by XLA alone (wall time of one jitted call; the work the fused step
+    adds per program);
   - the fused step `kda_triton.decode_step` at each launch shape (block_v x warps).
 Errors of the fused step against the reference as in bench/kda.py.
 
@@ -76,8 +78,13 @@ def main():
         def report(name, ms, note=""):
             bench.log(f"B={b} {name}: {ms:.4f} ms ({roof / ms * 100:.0f}% of the {roof:.4f} ms roofline) {note}")
 
-        report("XLA pass over the state", bench.chain_ms(
-            lambda state: (jax.lax.optimization_barrier(state * 0.999 + 1e-6),), (x["state"] + 0,)))
+        def measure(name, call, carry, kernel_name, note=""):
+            kernel = bench.kernel_ms(call, carry, kernel_name)
+            wall = bench.chain_ms(call, tuple(a + 0 for a in carry))
+            report(name + " (kernel)", kernel, f"{note}; wall {wall:.4f} ms per step ({roof / wall * 100:.0f}%)")
+
+        measure("XLA pass over the state", lambda state: (jax.lax.optimization_barrier(state * 0.999 + 1e-6),),
+                (x["state"],), "fusion")
         rows = jax.jit(functools.partial(token_vectors, lower_bound=-5.0))
         q, k, v, decay, beta, _ = rows(x["qkv"], x["conv_state"], **{n: fixed[n] for n in (
             "conv_weight", "f", "dt_bias", "a_log", "beta_logits")})
@@ -89,8 +96,8 @@ def main():
             o, s = jax.jit(call)(x["state"])
             err = max(bench.relative_error(o.astype(jnp.float32), ref[0].astype(jnp.float32)),
                       bench.relative_error(s, ref[2]))
-            report(f"state only {shape}", bench.chain_ms(lambda state: (call(state)[1],), (x["state"] + 0,)),
-                   f"err {err:.1e}")
+            measure(f"state only {shape}", lambda state: (call(state)[1],), (x["state"],), "kda_decode_state_only",
+                    f"err {err:.1e}")
         for shape in args.shapes.split(","):
             block_v, warps = (int(n) for n in shape.split("x"))
 
@@ -103,8 +110,8 @@ def main():
             try:
                 got = jax.jit(step)(x["conv_state"], x["state"])
                 err = max(bench.relative_error(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref))
-                report(f"fused step {shape}", bench.chain_ms(lambda *c: step(*c)[1:], (x["conv_state"] + 0, x["state"] + 0)),
-                       f"err {err:.1e}")
+                measure(f"fused step {shape}", lambda *c: step(*c)[1:], (x["conv_state"], x["state"]),
+                        "kda_decode_step", f"err {err:.1e}")
             except Exception as e:  # a probe: report and go on
                 bench.log(f"B={b} fused step {shape}: failed {type(e).__name__}: {str(e)[:300]}")
 
