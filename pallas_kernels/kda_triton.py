@@ -25,25 +25,21 @@ def _decode_kernel(
     cols = pl.ds(vb * block_v, block_v)
     s = s_ref[b, h, :, cols]  # first: the slab's load is in flight while the token's vectors are computed
 
-    def conv_silu(part, chans, write):
+    def conv_silu(part, chans):
         """Short conv over the window (conv state[1:], x), SiLU, rounded to the activations' dtype as
         the reference does; the new conv state is that window."""
         x = qkv_ref[b, part, chans]
         history = [conv_ref[b, part, chans, j] for j in range(kernel)]
         window = history[1:] + [x]
         y = sum(window[j].astype(jnp.float32) * weight_ref[j, part, chans] for j in range(kernel))
-        if write:
-            for j in range(kernel):
-                conv_out_ref[b, part, chans, j] = window[j].astype(conv_out_ref.dtype)
+        for j in range(kernel):
+            conv_out_ref[b, part, chans, j] = window[j].astype(conv_out_ref.dtype)
         return (jax.nn.sigmoid(y) * y).astype(qkv_ref.dtype).astype(jnp.float32)
 
-    q = conv_silu(0, heads_k, False)
-    k = conv_silu(1, heads_k, False)
-
-    @pl.when(vb == 0)
-    def _():  # q and k conv states are shared by the value blocks: one program writes them
-        conv_silu(0, heads_k, True)
-        conv_silu(1, heads_k, True)
+    # Every value block's program writes the head's q and k conv states, the same values from
+    # registers: cheaper than a branch in which one program loads them again to write them.
+    q = conv_silu(0, heads_k)
+    k = conv_silu(1, heads_k)
 
     q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q) + kda_intra.L2_EPS))
     k = k / jnp.sqrt(jnp.sum(k * k) + kda_intra.L2_EPS)
@@ -58,7 +54,7 @@ def _decode_kernel(
 
     decay = jnp.exp(g)
     qk = jnp.sum(q * k)
-    v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v), True)
+    v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v))
     s_out_ref[b, h, :, cols], o = slab_update(s, q, k, v, decay, beta, qk)
     o_ref[b, h, cols] = o.astype(o_ref.dtype)
 
