@@ -32,7 +32,7 @@ def _state_only_kernel(q_ref, k_ref, v_ref, decay_ref, beta_ref, s_ref, o_ref, s
     s = s_ref[b, h, :, cols]
     q, k = q_ref[b, h, :], k_ref[b, h, :]
     s_out_ref[b, h, :, cols], o = kda_triton.slab_update(
-        s, q, k, v_ref[b, h, cols], decay_ref[b, h, :], beta_ref[b, h], jnp.sum(q * k)
+        s, q, k, v_ref[b, h, cols], decay_ref[b, h, :], beta_ref[b, h], q_scale=1.0, k_scale=1.0
     )
     o_ref[b, h, cols] = o.astype(o_ref.dtype)
 

@@ -41,9 +41,6 @@ def _decode_kernel(
     q = conv_silu(0, heads_k)
     k = conv_silu(1, heads_k)
 
-    q = q * (dk**-0.5 / jnp.sqrt(jnp.sum(q * q) + kda_intra.L2_EPS))
-    k = k / jnp.sqrt(jnp.sum(k * k) + kda_intra.L2_EPS)
-
     f = f_ref[b, heads_k].astype(jnp.float32) + dt_bias_ref[heads_k].astype(jnp.float32)
     rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
     if lower_bound is not None:
@@ -52,22 +49,28 @@ def _decode_kernel(
         g = -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
     beta = jax.nn.sigmoid(beta_ref[b, h].astype(jnp.float32))
 
-    decay = jnp.exp(g)
-    qk = jnp.sum(q * k)
     v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v))
-    s_out_ref[b, h, :, cols], o = slab_update(s, q, k, v, decay, beta, qk)
+    # q's and k's L2 norms are scalars applied after the reductions over the slab, so that those
+    # reductions need not wait for the norms' own.
+    s_out_ref[b, h, :, cols], o = slab_update(
+        s, q, k, v, jnp.exp(g), beta,
+        q_scale=dk**-0.5 / jnp.sqrt(jnp.sum(q * q) + kda_intra.L2_EPS),
+        k_scale=1.0 / jnp.sqrt(jnp.sum(k * k) + kda_intra.L2_EPS),
+    )
     o_ref[b, h, cols] = o.astype(o_ref.dtype)
 
 
-def slab_update(s, q, k, v, decay, beta, qk):
-    """The delta rule on a [dk, block_v] slab of the state: (new slab, o's block_v columns).
+def slab_update(s, q, k, v, decay, beta, *, q_scale, k_scale):
+    """The delta rule on a [dk, block_v] slab of the state for q_scale q and k_scale k (scalars):
+    (new slab, o's block_v columns).
 
     With D = diag(decay): predicted = k^T D S and o = q^T D S + (q . k) delta, two independent
     reductions over the old state, then S <- D S + k delta^T."""
-    predicted = jnp.sum((k * decay)[:, None] * s, axis=0)
-    o = jnp.sum((q * decay)[:, None] * s, axis=0)
+    predicted = jnp.sum((k * decay)[:, None] * s, axis=0) * k_scale
+    o = jnp.sum((q * decay)[:, None] * s, axis=0) * q_scale
     delta = (v - predicted) * beta
-    return s * decay[:, None] + k[:, None] * delta[None, :], o + qk * delta
+    new = s * decay[:, None] + (k * k_scale)[:, None] * delta[None, :]
+    return new, o + jnp.sum(q * k) * (q_scale * k_scale) * delta
 
 
 def decode_step(
