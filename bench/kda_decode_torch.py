@@ -6,7 +6,10 @@ roofline):
   - torch's in-place multiply of the state (torch's floor, as XLA's pass is ours);
   - `state only` written in plain Triton, compiled by the triton package (not by XLA's pipeline):
     the same slab update as `kda_triton.slab_update` and bench/kda_decode_parts.py's state-only
-    Pallas kernel, the token vectors given in fp32;
+    Pallas kernel, the token vectors given in fp32; with and without floating-point contraction
+    (fused multiply-adds), which XLA's pipeline does not do, and with the SM's shared memory
+    carveout at 100% (the split between L1 and shared memory that XLA's launches get), 0 and the
+    driver's default;
   - fla's `fused_recurrent_kda_fwd` (core only).
 Run beside bench/kda_decode_parts.py to compare with the Pallas kernels timed through XLA.
 
@@ -39,6 +42,19 @@ def _state_only(q, k, v, decay, beta, s, o, H: tl.constexpr, D: tl.constexpr, BV
     delta = (tl.load(v + row * D + cols) - predicted) * tl.load(beta + row)
     tl.store(slab, state * d_[:, None] + k_[:, None] * delta[None, :])
     tl.store(o + row * D + cols, (out + tl.sum(q_ * k_) * delta).to(tl.bfloat16))
+
+
+def set_carveout(compiled, percent):
+    """Prefer `percent` of the SM's unified L1 / shared memory as shared memory for a compiled Triton
+    kernel's launches (-1: the driver's default, as the triton package launches)."""
+    import ctypes
+
+    compiled._init_handles()
+    status = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
+        ctypes.c_void_p(compiled.function), ctypes.c_int(9), ctypes.c_int(percent)  # 9: PREFERRED_SHARED_MEMORY_CARVEOUT
+    )
+    if status:
+        raise RuntimeError(f"cuFuncSetAttribute failed: CUresult {status}")
 
 
 def main():
@@ -75,9 +91,17 @@ def main():
             got = start.clone()
             _state_only[grid](q, k, v, decay, beta, got, o, H=h, D=d, BV=block_v, num_warps=warps)
             bench.log(f"B={b} state only (plain Triton) {shape}: max |error| {(got - want).abs().max().item():.1e}")
-            report(f"state only (plain Triton) {shape}",
-                   lambda: _state_only[grid](q, k, v, decay, beta, state, o, H=h, D=d, BV=block_v, num_warps=warps),
-                   "_state_only")
+            for fusion in (True, False):  # without contraction, as XLA compiles a Pallas Triton kernel
+                report(f"state only (plain Triton{'' if fusion else ', no fp contraction'}) {shape}",
+                       lambda: _state_only[grid](q, k, v, decay, beta, state, o, H=h, D=d, BV=block_v, num_warps=warps,
+                                                 enable_fp_fusion=fusion),
+                       "_state_only")
+            compiled = _state_only[grid](q, k, v, decay, beta, state, o, H=h, D=d, BV=block_v, num_warps=warps)
+            for carveout in (100, 0, -1):  # the SM's shared memory / L1 split: XLA's launches get all the shared memory
+                set_carveout(compiled, carveout)
+                report(f"state only (plain Triton, shared memory carveout {carveout}) {shape}",
+                       lambda: _state_only[grid](q, k, v, decay, beta, state, o, H=h, D=d, BV=block_v, num_warps=warps),
+                       "_state_only")
         qb, kb, vb = (torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
         gg = -5.0 * torch.sigmoid(torch.randn(b, 1, h, d, device="cuda", generator=gen))
         betab = torch.sigmoid(torch.randn(b, 1, h, device="cuda", generator=gen)).bfloat16()
