@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import kda as bench
+import kda_decode_parts as parts
 from pallas_kernels import kda
 
 _F32 = jnp.float32
@@ -81,10 +82,7 @@ def state_update(rows, cols, state, *, block_v=64, interpret=False):
 
 def inputs(x, lower_bound=-5.0):
     """The probe's rows and cols from `kda.random_decode_inputs`, by the reference's own token side."""
-    import kda_decode_parts as parts
-
-    fixed = {n: x[n] for n in ("conv_weight", "f", "dt_bias", "a_log", "beta_logits")}
-    q, k, v, decay, beta, _ = parts.token_vectors(x["qkv"], x["conv_state"], **fixed, lower_bound=lower_bound)
+    q, k, v, decay, beta, _ = parts.token_vectors_of(x, lower_bound=lower_bound)
     qk = jnp.sum(q * k, axis=-1)
     rows = jnp.stack([q, k, decay], axis=2)
     cols = jnp.stack([v, jnp.broadcast_to(beta[..., None], v.shape), jnp.broadcast_to(qk[..., None], v.shape)], axis=2)

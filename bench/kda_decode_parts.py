@@ -61,6 +61,14 @@ def token_vectors(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, 
     return q, k, v, jnp.exp(g), jax.nn.sigmoid(beta_logits.astype(jnp.float32)), conv_state
 
 
+def token_vectors_of(x, *, lower_bound):
+    """`token_vectors` of a `kda.random_decode_inputs` dict."""
+    return token_vectors(
+        x["qkv"], x["conv_state"], *(x[n] for n in ("conv_weight", "f", "dt_bias", "a_log", "beta_logits")),
+        lower_bound=lower_bound,
+    )
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="64,256")
@@ -85,11 +93,9 @@ def main():
 
         measure("XLA pass over the state", lambda state: (jax.lax.optimization_barrier(state * 0.999 + 1e-6),),
                 (x["state"],), "fusion")
-        rows = jax.jit(functools.partial(token_vectors, lower_bound=-5.0))
-        q, k, v, decay, beta, _ = rows(x["qkv"], x["conv_state"], **{n: fixed[n] for n in (
-            "conv_weight", "f", "dt_bias", "a_log", "beta_logits")})
-        report("token vectors by XLA alone", bench.dispatched_ms(rows, x["qkv"], x["conv_state"], *(fixed[n] for n in (
-            "conv_weight", "f", "dt_bias", "a_log", "beta_logits"))))
+        rows = jax.jit(functools.partial(token_vectors_of, lower_bound=-5.0))
+        q, k, v, decay, beta, _ = rows(x)
+        report("token vectors by XLA alone", bench.dispatched_ms(rows, x))
         for shape in args.state_shapes.split(","):
             block_v, warps = (int(n) for n in shape.split("x"))
             call = functools.partial(state_only, q, k, v, decay, beta, block_v=block_v, num_warps=warps)

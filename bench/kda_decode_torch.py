@@ -44,6 +44,22 @@ def _state_only(q, k, v, decay, beta, s, o, H: tl.constexpr, D: tl.constexpr, BV
     tl.store(o + row * D + cols, (out + tl.sum(q_ * k_) * delta).to(tl.bfloat16))
 
 
+def state_only_inputs(b, h, d, gen):
+    """q and k normalised (q scaled), v, decay, beta in fp32 and o's buffer for `_state_only`."""
+    q, k, v = (torch.randn(b, h, d, device="cuda", generator=gen) for _ in range(3))
+    q, k = q / q.norm(dim=-1, keepdim=True) * d**-0.5, k / k.norm(dim=-1, keepdim=True)
+    decay = torch.exp(-5.0 * torch.sigmoid(torch.randn(b, h, d, device="cuda", generator=gen)))
+    beta = torch.sigmoid(torch.randn(b, h, device="cuda", generator=gen))
+    return q, k, v, decay, beta, torch.empty(b, h, d, device="cuda", dtype=torch.bfloat16)
+
+
+def fla_inputs(b, h, d, gen):
+    """One token's q, k, v (bf16), gate and beta for fla's `fused_recurrent_kda_fwd`."""
+    qb, kb, vb = (torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    gg = -5.0 * torch.sigmoid(torch.randn(b, 1, h, d, device="cuda", generator=gen))
+    return qb, kb, vb, gg, torch.sigmoid(torch.randn(b, 1, h, device="cuda", generator=gen)).bfloat16()
+
+
 def set_carveout(compiled, percent):
     """Prefer `percent` of the SM's unified L1 / shared memory as shared memory for a compiled Triton
     kernel's launches (-1: the driver's default, as the triton package launches)."""
@@ -76,11 +92,7 @@ def main():
 
         state = torch.randn(b, h, d, d, device="cuda", generator=gen) * 0.01
         report("torch in-place multiply of the state", lambda: state.mul_(0.999), "elementwise")
-        q, k, v = (torch.randn(b, h, d, device="cuda", generator=gen) for _ in range(3))
-        q, k = q / q.norm(dim=-1, keepdim=True) * d**-0.5, k / k.norm(dim=-1, keepdim=True)
-        decay = torch.exp(-5.0 * torch.sigmoid(torch.randn(b, h, d, device="cuda", generator=gen)))
-        beta = torch.sigmoid(torch.randn(b, h, device="cuda", generator=gen))
-        o = torch.empty(b, h, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v, decay, beta, o = state_only_inputs(b, h, d, gen)
         start = state.clone()
         want = start * decay[..., None]  # the update by torch, to check the kernel once
         delta = (v - torch.einsum("bhk,bhkv->bhv", k, want)) * beta[..., None]
@@ -102,9 +114,7 @@ def main():
                 report(f"state only (plain Triton, shared memory carveout {carveout}) {shape}",
                        lambda: _state_only[grid](q, k, v, decay, beta, state, o, H=h, D=d, BV=block_v, num_warps=warps),
                        "_state_only")
-        qb, kb, vb = (torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-        gg = -5.0 * torch.sigmoid(torch.randn(b, 1, h, d, device="cuda", generator=gen))
-        betab = torch.sigmoid(torch.randn(b, 1, h, device="cuda", generator=gen)).bfloat16()
+        qb, kb, vb, gg, betab = fla_inputs(b, h, d, gen)
         report("fla fused_recurrent_kda_fwd", lambda: fused_recurrent_kda_fwd(
             qb, kb, vb, gg, betab, initial_state=state, output_final_state=True, inplace_final_state=True,
             use_qk_l2norm_in_kernel=True), "fused_recurrent_kda")
