@@ -2,13 +2,18 @@
 (Mosaic GPU) rather than through L1, which XLA's launch leaves at 28 KiB per SM (bench/RESULTS.md,
 fifteenth session). Same work and inputs as bench/kda_decode_parts.py's `state only` kernel: the token
 vectors given in fp32 (q, k normalised; decay; v, beta and q . k broadcast over the value columns).
-One warpgroup per [dk, block_v] slab: TMA in, the update in registers (WGMMA layout; reductions over
-dk to one value per column), the slab back to SMEM and out by TMA. Timed as bench/kda.py times the
-step (the kernel's GPU time in a profiler trace of 20 chained calls), beside the Triton state-only
-kernel. On the H200 it took 0.172 / 0.665 ms at B = 64 / 256 (73% / 75% of the roofline) with
-block_v = 64: slower than the Triton kernel (bench/RESULTS.md, fifteenth session).
+Persistent CTAs of one warpgroup each walk the [dk, block_v] slabs (CTA c takes slabs c, c + CTAs,
+...), with `stages` slabs in shared memory: while one is updated (in registers, WGMMA layout;
+reductions over dk to one value per column) and stored back in place by TMA, the next stages - 1
+are on their way in; one stage and one CTA per slab (CTAs 0) is the simplest form: load, update,
+store in turn. The slab is kept in shared memory as swizzled [8, 32] tiles (unswizzled, the WGMMA
+layout's loads conflict on the banks: 0.176 / 0.687 ms at B = 64 / 256 against 0.138 / 0.560
+swizzled, 64 columns, 4 stages). On the H200 the fastest forms reach 91-93% of the state-bytes
+roofline (bench/RESULTS.md, sixteenth session): 32 columns, one CTA per slab; or 64 columns,
+4 stages, 132 persistent CTAs.
+Timed as bench/kda.py times the step (the kernel's GPU time in a profiler trace of 20 chained calls).
 
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_decode_mosaic.py [--batches 64,256] [--block-v 64]
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_decode_mosaic.py [--batches 64,256] [--configs 64x4x132]
 """
 
 import argparse
@@ -27,85 +32,120 @@ from pallas_kernels import kda
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW, _COL = _WG.reduce(1), _WG.reduce(0)
+# The slab's rows are 256 or 512 bytes apart: unswizzled, the WGMMA layout's 8 rows per warp would
+# hit the same banks. Tiles of [8, 32] fp32 (128-byte rows) swizzled over 128 bytes avoid that.
+_SLAB_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def _kernel(rows_ref, cols_ref, s_ref, o_ref, s_out_ref, s_smem, rows_smem, cols_smem, o_smem, arrived):
-    vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+def _update(s_smem, rows_smem, cols_smem, s_out_smem, o_smem, *, swizzled):
     dk, block_v = s_smem.shape
-    cols = pl.ds(vb * block_v, block_v)
-    plgpu.copy_gmem_to_smem(s_ref.at[b, h, :, cols], s_smem, arrived)
-    plgpu.copy_gmem_to_smem(rows_ref.at[b, h], rows_smem, arrived)
-    plgpu.copy_gmem_to_smem(cols_ref.at[b, h, :, cols], cols_smem, arrived)
-    plgpu.barrier_wait(arrived)
-    s = plgpu.load(s_smem, (), layout=_WG, optimized=False)
-    q, k, decay = (plgpu.load(rows_smem.at[i], (), layout=_ROW, optimized=False) for i in range(3))
-    v, beta, qk = (plgpu.load(cols_smem.at[i], (), layout=_COL, optimized=False) for i in range(3))
-
-    def rows_of(x):
-        return lax.broadcast_in_dim(x, (dk, block_v), [0])
-
-    def cols_of(x):
-        return lax.broadcast_in_dim(x, (dk, block_v), [1])
-
+    s = plgpu.load(s_smem, layout=_WG, optimized=swizzled)  # unswizzled, no conflict-free form exists
+    q, k, decay = (plgpu.load(rows_smem.at[i], layout=_ROW, optimized=False) for i in range(3))
+    v, beta, qk = (plgpu.load(cols_smem.at[i], layout=_COL, optimized=False) for i in range(3))
+    rows_of = lambda x: lax.broadcast_in_dim(x, (dk, block_v), [0])
+    cols_of = lambda x: lax.broadcast_in_dim(x, (dk, block_v), [1])
     predicted = jnp.sum(rows_of(k * decay) * s, axis=0)
     out = jnp.sum(rows_of(q * decay) * s, axis=0)
     delta = (v - predicted) * beta
-    s_smem[...] = s * rows_of(decay) + rows_of(k) * cols_of(delta)
+    s_out_smem[...] = s * rows_of(decay) + rows_of(k) * cols_of(delta)
     o_smem[...] = (out + qk * delta).astype(o_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(s_smem, s_out_ref.at[b, h, :, cols])
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, cols])
-    plgpu.wait_smem_to_gmem(0)
 
-
-def state_update(rows, cols, state, *, block_v=64, interpret=False):
-    """rows [B, H, 3, dk] (q, k, decay), cols [B, H, 3, dv] (v, beta, q . k), state [B, H, dk, dv] fp32:
-    (o [B, H, dv] bf16, new state)."""
+def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, swizzle=True, interpret=False):
     b, h, dk, dv = state.shape
+    nv = dv // block_v
+    slabs = b * h * nv
+
+    def kernel(rows_ref, cols_ref, s_ref, o_ref, s_out_ref, s_buf, rows_buf, cols_buf, o_buf, arrived):
+        cta = lax.axis_index("cta")
+        steps = (slabs - cta + ctas - 1) // ctas
+
+        def where(i):
+            slab = i * ctas + cta
+            return slab // (h * nv), (slab // nv) % h, pl.ds((slab % nv) * block_v, block_v)
+
+        def fetch(i):
+            bi, hi, cs = where(i)
+            slot = i % stages
+            plgpu.copy_gmem_to_smem(s_ref.at[bi, hi, :, cs], s_buf.at[slot], arrived.at[slot])
+            plgpu.copy_gmem_to_smem(rows_ref.at[bi, hi], rows_buf.at[slot], arrived.at[slot])
+            plgpu.copy_gmem_to_smem(cols_ref.at[bi, hi, :, cs], cols_buf.at[slot], arrived.at[slot])
+
+        for i in range(stages):
+            pl.when(i < steps)(functools.partial(fetch, i))
+
+        @pl.loop(0, steps)
+        def _(i):
+            slot = i % stages
+            plgpu.barrier_wait(arrived.at[slot])
+            slab = s_buf.at[slot]
+            _update(slab, rows_buf.at[slot], cols_buf.at[slot], slab, o_buf.at[slot], swizzled=swizzle)
+            plgpu.commit_smem()
+            bi, hi, cs = where(i)
+            plgpu.copy_smem_to_gmem(s_buf.at[slot], s_out_ref.at[bi, hi, :, cs], commit_group=False)
+            plgpu.copy_smem_to_gmem(o_buf.at[slot], o_ref.at[bi, hi, cs], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            # Refill the slot of the step before this one, once its store has read it out.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            pl.when((i >= 1) & (i - 1 + stages < steps))(lambda: fetch(i - 1 + stages))
+
+        plgpu.wait_smem_to_gmem(0)
+
     return plgpu.kernel(
-        _kernel,
+        kernel,
         out_type=(jax.ShapeDtypeStruct((b, h, dv), jnp.bfloat16), jax.ShapeDtypeStruct(state.shape, _F32)),
-        grid=(dv // block_v, h, b),
-        grid_names=("v", "h", "b"),
+        grid=(ctas,), grid_names=("cta",),
         scratch_types=(
-            plgpu.SMEM((dk, block_v), _F32),
-            plgpu.SMEM((3, dk), _F32),
-            plgpu.SMEM((3, block_v), _F32),
-            plgpu.SMEM((block_v,), jnp.bfloat16),
-            plgpu.Barrier(num_arrivals=3),
+            plgpu.SMEM((stages, dk, block_v), _F32, transforms=_SLAB_TRANSFORMS if swizzle else ()),
+            plgpu.SMEM((stages, 3, dk), _F32),
+            plgpu.SMEM((stages, 3, block_v), _F32),
+            plgpu.SMEM((stages, block_v), jnp.bfloat16),
+            plgpu.Barrier(num_arrivals=3, num_barriers=stages),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="kda_decode_mosaic",
+        kernel_name="kda_decode_mosaic_pipelined",
     )(rows, cols, state)
-
 
 def inputs(x, lower_bound=-5.0):
     """The probe's rows and cols from `kda.random_decode_inputs`, by the reference's own token side."""
     q, k, v, decay, beta, _ = parts.token_vectors_of(x, lower_bound=lower_bound)
     qk = jnp.sum(q * k, axis=-1)
     rows = jnp.stack([q, k, decay], axis=2)
-    cols = jnp.stack([v, jnp.broadcast_to(beta[..., None], v.shape), jnp.broadcast_to(qk[..., None], v.shape)], axis=2)
+    per_column = (jnp.broadcast_to(scalar[..., None], v.shape) for scalar in (beta, qk))
+    cols = jnp.stack([v, *per_column], axis=2)
     return rows, cols
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="64,256")
-    parser.add_argument("--block-v", type=int, default=64)
+    parser.add_argument("--configs", default="32x2x0,32x1x0,64x4x132,64x6x132,64x1x0,64x4x132u",
+                        help="block_v x stages x CTAs (0 CTAs: one per slab); a trailing u: the slab unswizzled")
     args = parser.parse_args()
     h, d = 64, 128
+    bench.log("jax", jax.__version__, jax.devices())
     for b in (int(x) for x in args.batches.split(",")):
         x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
         ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
         rows, cols = jax.jit(inputs)(x)
-        call = jax.jit(functools.partial(state_update, rows, cols, block_v=args.block_v))
-        o, s = call(x["state"] + 0)
-        err = max(bench.relative_error(o.astype(_F32), ref[0].astype(_F32)), bench.relative_error(s, ref[2]))
         roof = 2 * b * h * d * d * 4 / bench.HBM * 1e3
-        ms = bench.kernel_ms(lambda state: (call(state)[1],), (x["state"],), "kda_decode_mosaic")
-        bench.log(f"B={b} state only, Mosaic GPU (TMA) block_v={args.block_v}: kernel {ms:.4f} ms"
-                  f" ({roof / ms * 100:.0f}% of the {roof:.4f} ms roofline) err {err:.1e}")
+        for config in args.configs.split(","):
+            swizzle = not config.endswith("u")
+            block_v, stages, ctas = (int(n) for n in config.rstrip("u").split("x"))
+            ctas = ctas or b * h * d // block_v
+            call = jax.jit(functools.partial(
+                state_update, rows, cols, block_v=block_v, stages=stages, ctas=ctas, swizzle=swizzle
+            ))
+            name = f"B={b} state only, Mosaic GPU, block_v={block_v} stages={stages} CTAs={ctas}"
+            name += "" if swizzle else " unswizzled"
+            try:
+                o, s = call(x["state"] + 0)
+                err = max(bench.relative_error(o.astype(_F32), ref[0].astype(_F32)), bench.relative_error(s, ref[2]))
+                ms = bench.kernel_ms(lambda state: (call(state)[1],), (x["state"],), "kda_decode_mosaic")
+            except Exception as e:  # a launch shape that does not fit is reported, not fatal
+                bench.log(f"{name}: failed: {str(e).splitlines()[0][:200]}")
+                continue
+            bench.log(f"{name}: kernel {ms:.4f} ms ({roof / ms * 100:.0f}% of the {roof:.4f} ms roofline) err {err:.1e}")
 
 
 if __name__ == "__main__":
