@@ -4,7 +4,7 @@ fifteenth session). Same work and inputs as bench/kda_decode_parts.py's `state o
 vectors given in fp32 (q, k normalised; decay; v, beta and q . k broadcast over the value columns).
 Persistent CTAs of one warpgroup each walk the [dk, block_v] slabs (CTA c takes slabs c, c + CTAs,
 ...), with `stages` slabs in shared memory: while one is updated (in registers, WGMMA layout;
-reductions over dk to one value per column) and stored back in place by TMA, the next stages - 1
+reductions over dk to one value per column) and stored out by TMA, the next stages - 1
 are on their way in; one stage and one CTA per slab (CTAs 0) is the simplest form: load, update,
 store in turn. The slab is kept in shared memory as swizzled [8, 32] tiles (unswizzled, the WGMMA
 layout's loads conflict on the banks: 0.176 / 0.687 ms at B = 64 / 256 against 0.138 / 0.560
@@ -27,7 +27,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import kda as bench
 import kda_decode_parts as parts
-from pallas_kernels import kda
 
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
@@ -37,7 +36,8 @@ _ROW, _COL = _WG.reduce(1), _WG.reduce(0)
 _SLAB_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def _update(s_smem, rows_smem, cols_smem, s_out_smem, o_smem, *, swizzled):
+def _update(s_smem, rows_smem, cols_smem, o_smem, *, swizzled):
+    """The delta rule on the slab in s_smem, written back there; o's columns to o_smem."""
     dk, block_v = s_smem.shape
     s = plgpu.load(s_smem, layout=_WG, optimized=swizzled)  # unswizzled, no conflict-free form exists
     q, k, decay = (plgpu.load(rows_smem.at[i], layout=_ROW, optimized=False) for i in range(3))
@@ -47,10 +47,13 @@ def _update(s_smem, rows_smem, cols_smem, s_out_smem, o_smem, *, swizzled):
     predicted = jnp.sum(rows_of(k * decay) * s, axis=0)
     out = jnp.sum(rows_of(q * decay) * s, axis=0)
     delta = (v - predicted) * beta
-    s_out_smem[...] = s * rows_of(decay) + rows_of(k) * cols_of(delta)
+    s_smem[...] = s * rows_of(decay) + rows_of(k) * cols_of(delta)
     o_smem[...] = (out + qk * delta).astype(o_smem.dtype)
 
+
 def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, swizzle=True, interpret=False):
+    """rows [B, H, 3, dk] (q, k, decay), cols [B, H, 3, dv] (v, beta, q . k), state [B, H, dk, dv] fp32:
+    (o [B, H, dv] bf16, the new state), by `ctas` persistent CTAs with `stages` slabs in flight."""
     b, h, dk, dv = state.shape
     nv = dv // block_v
     slabs = b * h * nv
@@ -77,8 +80,7 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, swizzle=T
         def _(i):
             slot = i % stages
             plgpu.barrier_wait(arrived.at[slot])
-            slab = s_buf.at[slot]
-            _update(slab, rows_buf.at[slot], cols_buf.at[slot], slab, o_buf.at[slot], swizzled=swizzle)
+            _update(s_buf.at[slot], rows_buf.at[slot], cols_buf.at[slot], o_buf.at[slot], swizzled=swizzle)
             plgpu.commit_smem()
             bi, hi, cs = where(i)
             plgpu.copy_smem_to_gmem(s_buf.at[slot], s_out_ref.at[bi, hi, :, cs], commit_group=False)
@@ -106,6 +108,7 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, swizzle=T
         kernel_name="kda_decode_mosaic_pipelined",
     )(rows, cols, state)
 
+
 def inputs(x, lower_bound=-5.0):
     """The probe's rows and cols from `kda.random_decode_inputs`, by the reference's own token side."""
     q, k, v, decay, beta, _ = parts.token_vectors_of(x, lower_bound=lower_bound)
@@ -123,12 +126,8 @@ def main():
                         help="block_v x stages x CTAs (0 CTAs: one per slab); a trailing u: the slab unswizzled")
     args = parser.parse_args()
     h, d = 64, 128
-    bench.log("jax", jax.__version__, jax.devices())
-    for b in (int(x) for x in args.batches.split(",")):
-        x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
-        ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
+    for b, x, ref, roof in parts.decode_cases(args.batches, h, d):
         rows, cols = jax.jit(inputs)(x)
-        roof = 2 * b * h * d * d * 4 / bench.HBM * 1e3
         for config in args.configs.split(","):
             swizzle = not config.endswith("u")
             block_v, stages, ctas = (int(n) for n in config.rstrip("u").split("x"))

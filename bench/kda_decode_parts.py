@@ -69,6 +69,16 @@ def token_vectors_of(x, *, lower_bound):
     )
 
 
+def decode_cases(batches, h, d):
+    """The decode probes' cases, after logging the JAX version and devices: for each batch size in
+    the comma list `batches`, (b, `kda.random_decode_inputs` at H = h, dk = dv = d, the reference's
+    (o, conv state, state), the state-bytes roofline in ms)."""
+    bench.log("jax", jax.__version__, jax.devices())
+    for b in (int(n) for n in batches.split(",")):
+        x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
+        yield b, x, kda.kda_decode_step_reference(**x, lower_bound=-5.0), 2 * b * h * d * d * 4 / bench.HBM * 1e3
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="64,256")
@@ -76,12 +86,8 @@ def main():
     parser.add_argument("--state-shapes", default="64x4,32x4,32x2,128x8", help="state-only launch shapes: block_v x warps")
     args = parser.parse_args()
     h, d = 64, 128
-    bench.log("jax", jax.__version__, jax.devices())
-    for b in (int(x) for x in args.batches.split(",")):
-        x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
-        ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
+    for b, x, ref, roof in decode_cases(args.batches, h, d):
         fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
-        roof = 2 * b * h * d * d * 4 / bench.HBM * 1e3
 
         def report(name, ms, note=""):
             bench.log(f"B={b} {name}: {ms:.4f} ms ({roof / ms * 100:.0f}% of the {roof:.4f} ms roofline) {note}")
