@@ -1,5 +1,5 @@
-"""The KDA kernels (the scan's gate sums, intra and chain kernels in Mosaic GPU; the decode step in
-Triton) lowered for the H200 on the CPU (no GPU needed; an abstract H200 stands in
+"""The KDA kernels (the scan's gate sums, intra and chain kernels in Mosaic GPU; the decode step's
+Triton and Mosaic GPU kernels) lowered for the H200 on the CPU (no GPU needed; an abstract H200 stands in
 for Triton's target): the lowering checks TMA shapes, layouts, wgmma operands and Triton's block
 shapes, which the interpreter does not."""
 
@@ -32,8 +32,11 @@ def test_chain_with_multicast_lowers_for_the_gpu(b, t, h, d, slots):
     assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 3
 
 
-@pytest.mark.parametrize("b, h, d", [(1, 64, 128), (256, 64, 128), (3, 2, 64), (2, 4, 16)])
+@pytest.mark.parametrize("b, h, d", [(1, 64, 128), (256, 64, 128), (3, 2, 64), (2, 4, 16), (2, 4, 32)])
 def test_decode_step_lowers_for_the_gpu(b, h, d):
+    """Head dims 64 and 128: the Triton token vectors, then the Mosaic GPU update; others the fused
+    Triton step."""
     args = jax.eval_shape(lambda: kda.random_decode_inputs(jax.random.key(0), b, h, d))
     step = lambda x: kda.kda_decode_step(**x, lower_bound=-5.0, implementation="pallas")  # noqa: E731
-    assert lowered_calls(step, args) == ["__gpu$xla.gpu.triton"]
+    two_kernels = ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]
+    assert lowered_calls(step, args) == (two_kernels if d in (64, 128) else ["__gpu$xla.gpu.triton"])
