@@ -1,5 +1,6 @@
-"""The fused KDA decode step for NVIDIA GPUs in Pallas, Triton backend. `kda.py` dispatches here; the
-chunked prefill scan is in Mosaic GPU (`kda_intra`, `kda_chain`).
+"""The KDA decode step's Triton kernels: the fused step (`decode_step`, for head dims the Mosaic GPU
+update does not take) and the token side alone (`token_vectors`, before `kda_decode.update_state`).
+`kda.py` dispatches here; the chunked prefill scan is in Mosaic GPU (`kda_intra`, `kda_chain`).
 """
 
 import functools
