@@ -320,8 +320,12 @@ def kda_decode_step(
     The Pallas kernels update `state` in place: donate it under jit, or XLA copies it first.
     """
     _check_decode_inputs(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state)
-    d = state.shape[-1]
-    unsupported = None if _power_of_two(d, 16, 128) else f"head dim must be a power of two in [16, 128], got {d}"
+    d, kernel = state.shape[-1], conv_weight.shape[0]
+    unsupported = None
+    if not _power_of_two(d, 16, 128):
+        unsupported = f"head dim must be a power of two in [16, 128], got {d}"
+    elif not _power_of_two(kernel, 2, 8):  # the conv state is read as [channels, K] blocks
+        unsupported = f"the conv's width K must be 2, 4 or 8, got {kernel}"
     if _pick(implementation, unsupported, qkv.dtype) == "reference":
         return kda_decode_step_reference(
             qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, lower_bound=lower_bound

@@ -15,14 +15,21 @@ from pallas_kernels import kda_intra
 
 def _conv_silu(qkv_ref, conv_ref, weight_ref, conv_out_ref, b, part, chans):
     """Short conv over the window (conv state[1:], x), SiLU, rounded to the activations' dtype as the
-    reference does; the new conv state is that window."""
+    reference does; the new conv state is that window. Each channel's K taps are read and written
+    as one [channels, K] block (one 8-byte access a channel at K = 4 in bf16, not four 2-byte ones),
+    the taps taken apart and shifted by selects along K in registers."""
     kernel = weight_ref.shape[0]
-    x = qkv_ref[b, part, chans]
-    history = [conv_ref[b, part, chans, j] for j in range(kernel)]
-    window = history[1:] + [x]
-    y = sum(window[j].astype(jnp.float32) * weight_ref[j, part, chans] for j in range(kernel))
-    for j in range(kernel):
-        conv_out_ref[b, part, chans, j] = window[j].astype(conv_out_ref.dtype)
+    x = qkv_ref[b, part, chans].astype(jnp.float32)
+    history = conv_ref[b, part, chans, :].astype(jnp.float32)
+    tap = jax.lax.broadcasted_iota(jnp.int32, history.shape, 1)
+
+    def column(j):  # exact: one tap and K - 1 zeros
+        return jnp.sum(jnp.where(tap == j, history, 0.0), axis=1)
+
+    window = [column(j) for j in range(1, kernel)] + [x]
+    y = sum(window[j] * weight_ref[j, part, chans] for j in range(kernel))
+    new_state = sum(jnp.where(tap == j, window[j][:, None], 0.0) for j in range(kernel))
+    conv_out_ref[b, part, chans, :] = new_state.astype(conv_out_ref.dtype)
     return (jax.nn.sigmoid(y) * y).astype(qkv_ref.dtype).astype(jnp.float32)
 
 

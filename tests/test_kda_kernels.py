@@ -360,3 +360,8 @@ def test_bad_arguments_raise_before_any_launch():
         kda.kda_decode_step(**{**x, "state": x["state"][:, :1]}, lower_bound=-5.0, implementation="pallas")
     with pytest.raises(ValueError, match="conv_state"):
         kda.kda_decode_step(**{**x, "conv_state": x["conv_state"][..., :3]}, lower_bound=-5.0)
+    width_3 = {**x, "conv_state": x["conv_state"][..., :3], "conv_weight": x["conv_weight"][:3]}
+    with pytest.raises(ValueError, match="the conv's width K must be 2, 4 or 8, got 3"):
+        kda.kda_decode_step(**width_3, lower_bound=-5.0, implementation="pallas")
+    got = kda.kda_decode_step(**width_3, lower_bound=-5.0)  # on the CPU: the reference, which takes any K
+    np.testing.assert_array_equal(got[2], kda.kda_decode_step_reference(**width_3, lower_bound=-5.0)[2])
