@@ -96,9 +96,9 @@ def decode_step(
     updated in place (donate it under jit, or XLA copies it first). Each program streams a
     [dk, block_v] slab of one head's state; the defaults, 64 columns with 4 warps, were the fastest
     of eight launch shapes on the H200 (bench/RESULTS.md; 8 warps took twice as long). On the H200
-    the kernel reaches 78-80% of the state-bytes roofline; the slab update alone reaches 87-89%, and
-    the rest is the conv state's traffic: [channels, K] with K = 4 bf16 taps per channel, read and
-    written a tap at a time (2-byte accesses 8 bytes apart). What holds the slab update there is the
+    the kernel reached 78-80% of the state-bytes roofline with the conv state read and written a
+    tap at a time (2-byte accesses 8 bytes apart; now [channels, K] blocks, not yet measured); the
+    slab update alone reaches 87-89%. What holds the slab update there is the
     launch: XLA launches it preferring shared memory (228 KiB, by ncu), which leaves 28 KiB of L1 for
     this kernel's loads; the same program launched by the triton package runs at 93-95% with the
     driver's default split and at 85-86% with XLA's (bench/kda_decode_torch.py)."""
