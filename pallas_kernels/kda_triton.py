@@ -15,19 +15,16 @@ from pallas_kernels import kda_intra
 
 def _conv_silu(qkv_ref, conv_ref, weight_ref, conv_out_ref, b, part, chans):
     """Short conv over the window (conv state[1:], x), SiLU, rounded to the activations' dtype as the
-    reference does; the new conv state is that window. Each channel's K taps are read and written
-    as one [channels, K] block (one 8-byte access a channel at K = 4 in bf16, not four 2-byte ones),
-    the taps taken apart and shifted by selects along K in registers."""
+    reference does; the new conv state is that window. The taps are read one at a time (a channel's
+    K taps share a sector: L1 serves all but the first) and written as one [channels, K] block (one
+    8-byte store a channel at K = 4 in bf16, not four 2-byte ones). Read as a block, the taps taken
+    apart in registers would need layout conversions: ptxas then gives the fused step 255 registers
+    and 8 KB of shared memory rather than 128 and 1 KB (bench/kda_ptxas.py)."""
     kernel = weight_ref.shape[0]
     x = qkv_ref[b, part, chans].astype(jnp.float32)
-    history = conv_ref[b, part, chans, :].astype(jnp.float32)
-    tap = jax.lax.broadcasted_iota(jnp.int32, history.shape, 1)
-
-    def column(j):  # exact: one tap and K - 1 zeros
-        return jnp.sum(jnp.where(tap == j, history, 0.0), axis=1)
-
-    window = [column(j) for j in range(1, kernel)] + [x]
+    window = [conv_ref[b, part, chans, j].astype(jnp.float32) for j in range(1, kernel)] + [x]
     y = sum(window[j] * weight_ref[j, part, chans] for j in range(kernel))
+    tap = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], kernel), 1)
     new_state = sum(jnp.where(tap == j, window[j][:, None], 0.0) for j in range(kernel))
     conv_out_ref[b, part, chans, :] = new_state.astype(conv_out_ref.dtype)
     return (jax.nn.sigmoid(y) * y).astype(qkv_ref.dtype).astype(jnp.float32)
@@ -97,8 +94,8 @@ def decode_step(
     [dk, block_v] slab of one head's state; the defaults, 64 columns with 4 warps, were the fastest
     of eight launch shapes on the H200 (bench/RESULTS.md; 8 warps took twice as long). On the H200
     the kernel reached 78-80% of the state-bytes roofline with the conv state read and written a
-    tap at a time (2-byte accesses 8 bytes apart; now [channels, K] blocks, not yet measured); the
-    slab update alone reaches 87-89%. What holds the slab update there is the
+    tap at a time (2-byte accesses 8 bytes apart; now written as [channels, K] blocks, not yet
+    measured); the slab update alone reaches 87-89%. What holds the slab update there is the
     launch: XLA launches it preferring shared memory (228 KiB, by ncu), which leaves 28 KiB of L1 for
     this kernel's loads; the same program launched by the triton package runs at 93-95% with the
     driver's default split and at 85-86% with XLA's (bench/kda_decode_torch.py)."""
