@@ -142,6 +142,8 @@ def kernel_ms(call, carry, name_part, n=20):
         if len(times) != n:
             raise RuntimeError(f"expected {n} kernels named *{part}* in the trace, found {len(times)}")
         total += statistics.median(times)
+        if not isinstance(name_part, str):
+            log(f"    kernel *{part}*: {statistics.median(times):.4f} ms")
     return total
 
 

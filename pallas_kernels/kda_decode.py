@@ -70,7 +70,8 @@ def update_state(rows, cols, state, *, out_dtype, block_v=BLOCK_V, interpret=Fal
     [B, H, dk, dv] fp32 (dk in HEAD_DIMS, dv a multiple of block_v in {32, 64}): (o [B, H, dv] in
     out_dtype, the new state). The state is updated in place (donate it under jit, or XLA copies
     it first). One CTA per slab, the value block varying fastest in launch order, then the head:
-    CTAs resident together stream one contiguous stretch of the state."""
+    CTAs resident together stream one contiguous stretch of the state (with the batch fastest, 4 MiB
+    apart, the step ran at 67-74% of the roofline on the H200 rather than the probe's 92-93%)."""
     b, h, dk, dv = state.shape
     if dk not in HEAD_DIMS or block_v not in (32, 64) or dv % block_v:
         raise ValueError(f"dk must be one of {HEAD_DIMS} and dv a multiple of block_v in (32, 64); got"
@@ -78,8 +79,8 @@ def update_state(rows, cols, state, *, out_dtype, block_v=BLOCK_V, interpret=Fal
     kernel = plgpu.kernel(
         _update_kernel,
         out_type=jax.ShapeDtypeStruct((b, h, dv), out_dtype),
-        grid=(dv // block_v, h, b),
-        grid_names=("v", "h", "b"),
+        grid=(b, h, dv // block_v),  # Mosaic GPU launches the last grid axis fastest
+        grid_names=("b", "h", "v"),
         scratch_types=(
             plgpu.SMEM((dk, block_v), _F32, transforms=SLAB_TRANSFORMS),
             plgpu.SMEM((3, dk), _F32),
