@@ -339,13 +339,14 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
                None if INTERPRET else kernel_ms(xla_pass, (x["state"],), "fusion"), chain_ms(xla_pass, (x["state"] + 0,)))
         for variant in variants:
             if variant[0] == "mosaic":
-                block_v = variant[1]
-                name = f"ours kda_decode_step (Triton token vectors, Mosaic GPU update) block_v={block_v}"
+                block_v, token_warps = variant[1:]
+                name = f"ours kda_decode_step (Triton token vectors, Mosaic GPU update) block_v={block_v} token warps={token_warps}"
                 kernels = ("kda_decode_token_vectors", "kda_decode_update")
 
-                def call(conv_state, state, block_v=block_v):
+                def call(conv_state, state, block_v=block_v, token_warps=token_warps):
                     return kda_decode.decode_step(
-                        conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, interpret=INTERPRET,
+                        conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v,
+                        token_warps=token_warps, interpret=INTERPRET,
                     )
             else:
                 block_v, warps = variant  # decode_step takes min(block_v, d)
@@ -419,6 +420,14 @@ def torch_chain_ms(fn, n=20, reps=7):
     return per_call_ms(replay, n, reps)
 
 
+def decode_variant(text):
+    """'64x4' -> (64, 4): the fused Triton step; 'm32w2' -> ('mosaic', 32, 2): the two-kernel step."""
+    if text.startswith("m"):
+        block_v, _, warps = text[1:].partition("w")
+        return "mosaic", int(block_v), int(warps or 4)
+    return tuple(int(x) for x in text.split("x"))
+
+
 HBM = 4.3e12  # bytes/s, read + write, measured on this machine (KINDS.md): the roofline's bandwidth
 
 
@@ -432,8 +441,8 @@ def main():
     parser.add_argument("--prefill-shapes", default=";".join(",".join(map(str, x[:3])) for x in PREFILL_SHAPES),
                         help="B,T,H;B,T,H;... at D = 128")
     parser.add_argument("--decode-variants", default=",".join(f"{v}x{w}" for v, w in DECODE_VARIANTS),
-                        help="decode launch shapes: value columns x warps (the fused Triton step), or mN (Triton token"
-                             " vectors, then the Mosaic GPU update in N columns)")
+                        help="decode launch shapes: value columns x warps (the fused Triton step), or mN[wW] (Triton token"
+                             " vectors in W warps, default 4, then the Mosaic GPU update in N columns)")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     PEERS = not args.no_peers
@@ -445,8 +454,7 @@ def main():
     if "check" not in skip:
         check_small()
     if "decode" not in skip:
-        bench_decode(hbm, [("mosaic", int(v[1:])) if v.startswith("m") else tuple(int(x) for x in v.split("x"))
-                           for v in args.decode_variants.split(",")])
+        bench_decode(hbm, [decode_variant(v) for v in args.decode_variants.split(",")])
     if "prefill" not in skip:
         bench_prefill({name: CONFIGS[name] for name in args.configs.split(",")})
     log("\n| section | implementation | shape | error | ms | note |\n| --- | --- | --- | --- | --- | --- |")

@@ -100,12 +100,13 @@ def update_state(rows, cols, state, *, out_dtype, block_v=BLOCK_V, interpret=Fal
 
 def decode_step(
     qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V,
-    interpret=False,
+    token_warps=4, interpret=False,
 ):
     """The one-token KDA step in two kernels: `kda_triton.token_vectors`, then `update_state`. Shapes
     and results as `kda.kda_decode_step` (checked there)."""
     rows, cols, conv_state = kda_triton.token_vectors(
-        qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, lower_bound=lower_bound, interpret=interpret
+        qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, lower_bound=lower_bound, num_warps=token_warps,
+        interpret=interpret,
     )
     o, state = update_state(rows, cols, state, out_dtype=qkv.dtype, block_v=block_v, interpret=interpret)
     return o, conv_state, state

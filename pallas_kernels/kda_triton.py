@@ -137,7 +137,9 @@ def _token_kernel(
     cols_ref[b, h, 2, :] = jnp.full((dv,), jnp.sum(q * k))
 
 
-def token_vectors(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, *, lower_bound, interpret=False):
+def token_vectors(
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, *, lower_bound, num_warps=4, interpret=False,
+):
     """The decode step's token side, one program per head: (rows [B, H, 3, dk] fp32: q normalised and
     scaled, k normalised, the decay exp(g); cols [B, H, 3, dv] fp32: v, beta and q . k, the scalars
     repeated over the value columns; the new conv state). Shapes as `kda.kda_decode_step`, dk = dv."""
@@ -152,7 +154,7 @@ def token_vectors(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, 
             jax.ShapeDtypeStruct((b, h, 3, d), jnp.float32),
             jax.ShapeDtypeStruct(conv_state.shape, qkv.dtype),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode_token_vectors",
     )(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits)
