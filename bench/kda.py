@@ -440,6 +440,7 @@ def main():
     parser.add_argument("--no-peers", action="store_true", help="time our kernels only")
     parser.add_argument("--prefill-shapes", default=";".join(",".join(map(str, x[:3])) for x in PREFILL_SHAPES),
                         help="B,T,H;B,T,H;... at D = 128")
+    parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes, at H = 64")
     parser.add_argument("--decode-variants", default=",".join(f"{v}x{w}" for v, w in DECODE_VARIANTS),
                         help="decode launch shapes: value columns x warps (the fused Triton step), or mN[wW] (Triton token"
                              " vectors in W warps, default 4, then the Mosaic GPU update in N columns)")
@@ -447,6 +448,7 @@ def main():
     skip = set(args.skip.split(","))
     PEERS = not args.no_peers
     PREFILL_SHAPES = [(*map(int, shape.split(",")), 128) for shape in args.prefill_shapes.split(";")]
+    DECODE_BATCHES = [int(b) for b in args.decode_batches.split(",")]
     if args.interpret:
         INTERPRET, PREFILL_SHAPES, DECODE_BATCHES = True, [(1, 128, 2, 64)], [2]
     log("jax", jax.__version__, jax.devices())
