@@ -314,8 +314,10 @@ def kda_decode_step(
     interpret=False,
 ):
     """Single-token KDA with everything around the core in the kernels; arguments and results as
-    `kda_decode_step_reference`. Head dims 64 and 128 take two kernels (`kda_decode`: the token
-    vectors in Triton, the state update in Mosaic GPU), others the fused Triton step (`kda_triton`).
+    `kda_decode_step_reference`. Head dims 64 and 128 with a state of at least
+    `kda_decode.MIN_STATE_BYTES` take two kernels (`kda_decode`: the token vectors in Triton, the
+    state update in Mosaic GPU); smaller states and other head dims the fused Triton step
+    (`kda_triton`).
 
     The Pallas kernels update `state` in place: donate it under jit, or XLA copies it first.
     """
@@ -324,15 +326,16 @@ def kda_decode_step(
     unsupported = None
     if not _power_of_two(d, 16, 128):
         unsupported = f"head dim must be a power of two in [16, 128], got {d}"
-    elif not _power_of_two(kernel, 2, 8):  # the conv state is read as [channels, K] blocks
+    elif not _power_of_two(kernel, 2, 8):  # the conv state is written as [channels, K] blocks
         unsupported = f"the conv's width K must be 2, 4 or 8, got {kernel}"
     if _pick(implementation, unsupported, qkv.dtype) == "reference":
         return kda_decode_step_reference(
             qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, lower_bound=lower_bound
         )
-    # Head dims the Mosaic GPU update takes go through it (the state's loads by TMA, not through L1:
-    # kda_decode's docstring); others through the fused Triton step.
-    step = kda_decode.decode_step if d in kda_decode.HEAD_DIMS else kda_triton.decode_step
+    # Large states stream faster through the Mosaic GPU update (the state's loads by TMA, not through
+    # L1: kda_decode's docstring); small ones, mostly served from L2, through the one fused kernel.
+    two_kernels = d in kda_decode.HEAD_DIMS and state.size * 4 >= kda_decode.MIN_STATE_BYTES
+    step = kda_decode.decode_step if two_kernels else kda_triton.decode_step
     return step(
         qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state.astype(jnp.float32),
         lower_bound=lower_bound, interpret=interpret,

@@ -5,10 +5,12 @@ stall under XLA's launch, which leaves 28 KiB of L1 per SM (85-88% of the state-
 best; bench/RESULTS.md, fifteenth session). Here each CTA (one warpgroup) takes one [dk, block_v]
 slab of one head's state into shared memory by TMA, as swizzled [8, 32] fp32 tiles (unswizzled, the
 WGMMA register layout's loads would conflict on the banks), updates it in registers and stores it
-back in place by TMA: 91-93% on the H200 (bench/kda_decode_mosaic.py, sixteenth session).
+back in place by TMA: 89-93% on the H200 (bench/kda_decode_mosaic.py, sixteenth session; in the
+step, seventeenth).
 
 The token side (conv, SiLU, norms, gate, beta) runs before, in `kda_triton.token_vectors`: fused in
-here, one channel per thread, it cost more than the stream (49-64%; bench/RESULTS.md).
+here, one channel per thread, it cost more than the stream (49-64%; bench/RESULTS.md). Apart, it
+takes 0.016 / 0.052 ms at batch 64 / 256 (H = 64, D = 128), the step 80-83% of the roofline in all.
 """
 
 import jax
@@ -21,6 +23,10 @@ from pallas_kernels import kda_triton
 
 BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md, sixteenth session)
 HEAD_DIMS = (64, 128)  # dk: the WGMMA layout's 64-row tiles
+# The state size from which the two kernels beat the fused Triton step on the H200 (H = 64, D = 128,
+# kernel ms: B = 8 0.0224 vs 0.0163, B = 16 0.0428 vs 0.0442, B = 64 0.155 vs 0.161; bench/RESULTS.md,
+# seventeenth session): below it the state sits largely in the 50 MB L2, where one launch is cheaper.
+MIN_STATE_BYTES = 64 * 2**20
 
 _F32 = jnp.float32
 _SLAB = plgpu.Layout.WGMMA

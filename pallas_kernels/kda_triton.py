@@ -93,9 +93,10 @@ def decode_step(
     updated in place (donate it under jit, or XLA copies it first). Each program streams a
     [dk, block_v] slab of one head's state; the defaults, 64 columns with 4 warps, were the fastest
     of eight launch shapes on the H200 (bench/RESULTS.md; 8 warps took twice as long). On the H200
-    the kernel reached 78-80% of the state-bytes roofline with the conv state read and written a
-    tap at a time (2-byte accesses 8 bytes apart; now written as [channels, K] blocks, not yet
-    measured); the slab update alone reaches 87-89%. What holds the slab update there is the
+    the kernel reaches 76-79% of the state-bytes roofline at batch 64 and 256 (H = 64, D = 128;
+    writing the conv state as [channels, K] blocks rather than a tap at a time changed nothing
+    there), where the two-kernel step (`kda_decode`) reaches 80-83%; with less than 64 MiB of
+    state it is the faster of the two. The slab update alone reaches 87-89%. What holds the slab update there is the
     launch: XLA launches it preferring shared memory (228 KiB, by ncu), which leaves 28 KiB of L1 for
     this kernel's loads; the same program launched by the triton package runs at 93-95% with the
     driver's default split and at 85-86% with XLA's (bench/kda_decode_torch.py)."""

@@ -269,10 +269,23 @@ def test_decode_step_matches_reference(lower_bound, b, h, d):
         assert relative_error(a, r) < TOLERANCE, name
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("b, h, d", [(2, 2, 64), (1, 1, 128)])
+def test_two_kernel_decode_step_matches_reference(lower_bound, b, h, d):
+    """`kda_decode.decode_step` (what `kda_decode_step` runs for states of MIN_STATE_BYTES and more,
+    too large for the interpreter) at small shapes."""
+    x = kda.random_decode_inputs(jax.random.key(d + b + 1), b, h, d)
+    got = kda_decode.decode_step(**x, lower_bound=lower_bound, interpret=True)
+    want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
+    for name, a, r in zip(["o", "conv_state", "state"], got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert relative_error(a, r) < TOLERANCE, name
+
+
 @pytest.mark.parametrize("b, h, d, block_v", [(2, 2, 64, 32), (1, 1, 128, 64)])
 def test_fused_triton_decode_step_at_the_mosaic_head_dims(b, h, d, block_v):
-    """The fused Triton step also at the head dims the dispatch sends to the two kernels (the
-    benchmark times it there), value blocks narrower than the head."""
+    """The fused Triton step at the head dims that large states send to the two kernels, value
+    blocks narrower than the head."""
     x = kda.random_decode_inputs(jax.random.key(d + block_v), b, h, d)
     got = kda_triton.decode_step(**x, lower_bound=-5.0, block_v=block_v, interpret=True)
     want = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
