@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import kda, kda_intra, kda_triton
+from pallas_kernels import kda, kda_decode, kda_intra, kda_triton
 
 PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
 DECODE_BATCHES = [1, 64, 256]
@@ -116,6 +116,7 @@ def chain_ms(call, carry, n=20, reps=7):
 
 def kernel_ms(call, carry, name_part, n=20):
     """Median GPU time of the kernels named `*name_part*` in n calls of `call(*carry) -> carry`
+    (name_part a tuple: the sum of each one's median, for a step of several kernels)
     unrolled in one jit (the carry donated), read from a `jax.profiler` trace (CUPTI): the kernel's
     own time, without the ~0.4 ms that dispatching and waiting for the whole jitted chain add to
     `chain_ms` (~20 us a step at n = 20). A decoder's step inside a larger jitted program pays the
@@ -131,14 +132,19 @@ def kernel_ms(call, carry, name_part, n=20):
             jax.block_until_ready(run(carry))
         (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(path)
-    times = [
-        event.duration_ns / 1e6
-        for plane in data.planes if plane.name.startswith("/device:GPU")
-        for line in plane.lines for event in line.events if name_part in event.name
-    ]
-    if len(times) != n:
-        raise RuntimeError(f"expected {n} kernels named *{name_part}* in the trace, found {len(times)}")
-    return statistics.median(times)
+    total = 0.0
+    for part in (name_part,) if isinstance(name_part, str) else name_part:
+        times = [
+            event.duration_ns / 1e6
+            for plane in data.planes if plane.name.startswith("/device:GPU")
+            for line in plane.lines for event in line.events if part in event.name
+        ]
+        if len(times) != n:
+            raise RuntimeError(f"expected {n} kernels named *{part}* in the trace, found {len(times)}")
+        total += statistics.median(times)
+        if not isinstance(name_part, str):
+            log(f"    kernel *{part}*: {statistics.median(times):.4f} ms")
+    return total
 
 
 def torch_kernel_ms(fn, name_part, n=20):
@@ -311,7 +317,7 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
 
 
 def bench_decode(hbm, variants=DECODE_VARIANTS):
-    h, d = (2, 32) if INTERPRET else (64, 128)
+    h, d = (2, 64) if INTERPRET else (64, 128)
     log(f"\n== decode step, H={h} D={d}")
     for b in DECODE_BATCHES:
         x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
@@ -331,20 +337,38 @@ def bench_decode(hbm, variants=DECODE_VARIANTS):
         xla_pass = lambda state: (jax.lax.optimization_barrier(state * 0.999 + 1e-6),)  # noqa: E731
         report("XLA elementwise pass over the state", float("nan"),
                None if INTERPRET else kernel_ms(xla_pass, (x["state"],), "fusion"), chain_ms(xla_pass, (x["state"] + 0,)))
-        for block_v, warps in variants:  # decode_step takes min(block_v, d)
-            def call(conv_state, state, block_v=block_v, warps=warps):
-                return kda_triton.decode_step(
-                    conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, num_warps=warps,
-                    interpret=INTERPRET,
-                )
+        for variant in variants:
+            if variant[0] == "mosaic":
+                block_v, token_warps = variant[1:]
+                name = f"ours kda_decode_step (Triton token vectors, Mosaic GPU update) block_v={block_v} token warps={token_warps}"
+                kernels = ("kda_decode_token_vectors", "kda_decode_update")
 
-            got = jax.jit(call)(x["conv_state"], x["state"])
-            err = max(relative_error(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref))
-            step = lambda *carry: call(*carry)[1:]  # noqa: E731
-            carry = (x["conv_state"], x["state"])
-            report(f"ours kda_decode_step block_v={block_v} warps={warps}", err,
-                   None if INTERPRET else kernel_ms(step, carry, "kda_decode_step"),
-                   chain_ms(step, tuple(a + 0 for a in carry)))
+                def call(conv_state, state, block_v=block_v, token_warps=token_warps):
+                    return kda_decode.decode_step(
+                        conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v,
+                        token_warps=token_warps, interpret=INTERPRET,
+                    )
+            else:
+                block_v, warps = variant  # decode_step takes min(block_v, d)
+                name = f"ours kda_decode_step (Triton) block_v={block_v} warps={warps}"
+                kernels = "kda_decode_step"
+
+                def call(conv_state, state, block_v=block_v, warps=warps):
+                    return kda_triton.decode_step(
+                        conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, num_warps=warps,
+                        interpret=INTERPRET,
+                    )
+
+            try:
+                got = jax.jit(call)(x["conv_state"], x["state"])
+                err = max(relative_error(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref))
+                step = lambda *carry, call=call: call(*carry)[1:]  # noqa: E731
+                carry = (x["conv_state"], x["state"])
+                report(name, err, None if INTERPRET else kernel_ms(step, carry, kernels),
+                       chain_ms(step, tuple(a + 0 for a in carry)))
+            except Exception:
+                traceback.print_exc()
+                log(f"{name} B={b}: FAILED")
     if not PEERS:
         return
     try:
@@ -396,6 +420,14 @@ def torch_chain_ms(fn, n=20, reps=7):
     return per_call_ms(replay, n, reps)
 
 
+def decode_variant(text):
+    """'64x4' -> (64, 4): the fused Triton step; 'm32w2' -> ('mosaic', 32, 2): the two-kernel step."""
+    if text.startswith("m"):
+        block_v, _, warps = text[1:].partition("w")
+        return "mosaic", int(block_v), int(warps or 4)
+    return tuple(int(x) for x in text.split("x"))
+
+
 HBM = 4.3e12  # bytes/s, read + write, measured on this machine (KINDS.md): the roofline's bandwidth
 
 
@@ -408,12 +440,15 @@ def main():
     parser.add_argument("--no-peers", action="store_true", help="time our kernels only")
     parser.add_argument("--prefill-shapes", default=";".join(",".join(map(str, x[:3])) for x in PREFILL_SHAPES),
                         help="B,T,H;B,T,H;... at D = 128")
+    parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes, at H = 64")
     parser.add_argument("--decode-variants", default=",".join(f"{v}x{w}" for v, w in DECODE_VARIANTS),
-                        help="decode launch shapes, value columns x warps")
+                        help="decode launch shapes: value columns x warps (the fused Triton step), or mN[wW] (Triton token"
+                             " vectors in W warps, default 4, then the Mosaic GPU update in N columns)")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     PEERS = not args.no_peers
     PREFILL_SHAPES = [(*map(int, shape.split(",")), 128) for shape in args.prefill_shapes.split(";")]
+    DECODE_BATCHES = [int(b) for b in args.decode_batches.split(",")]
     if args.interpret:
         INTERPRET, PREFILL_SHAPES, DECODE_BATCHES = True, [(1, 128, 2, 64)], [2]
     log("jax", jax.__version__, jax.devices())
@@ -421,7 +456,7 @@ def main():
     if "check" not in skip:
         check_small()
     if "decode" not in skip:
-        bench_decode(hbm, [tuple(int(x) for x in shape.split("x")) for shape in args.decode_variants.split(",")])
+        bench_decode(hbm, [decode_variant(v) for v in args.decode_variants.split(",")])
     if "prefill" not in skip:
         bench_prefill({name: CONFIGS[name] for name in args.configs.split(",")})
     log("\n| section | implementation | shape | error | ms | note |\n| --- | --- | --- | --- | --- | --- |")

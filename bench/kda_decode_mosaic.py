@@ -27,33 +27,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import kda as bench
 import kda_decode_parts as parts
+from pallas_kernels import kda_decode
 
 _F32 = jnp.float32
-_WG = plgpu.Layout.WGMMA
-_ROW, _COL = _WG.reduce(1), _WG.reduce(0)
-# The slab's rows are 256 or 512 bytes apart: unswizzled, the WGMMA layout's 8 rows per warp would
-# hit the same banks. Tiles of [8, 32] fp32 (128-byte rows) swizzled over 128 bytes avoid that.
-_SLAB_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def _update(s_smem, rows_smem, cols_smem, o_smem, *, swizzled):
-    """The delta rule on the slab in s_smem, written back there; o's columns to o_smem."""
-    dk, block_v = s_smem.shape
-    s = plgpu.load(s_smem, layout=_WG, optimized=swizzled)  # unswizzled, no conflict-free form exists
-    q, k, decay = (plgpu.load(rows_smem.at[i], layout=_ROW, optimized=False) for i in range(3))
-    v, beta, qk = (plgpu.load(cols_smem.at[i], layout=_COL, optimized=False) for i in range(3))
-    rows_of = lambda x: lax.broadcast_in_dim(x, (dk, block_v), [0])
-    cols_of = lambda x: lax.broadcast_in_dim(x, (dk, block_v), [1])
-    predicted = jnp.sum(rows_of(k * decay) * s, axis=0)
-    out = jnp.sum(rows_of(q * decay) * s, axis=0)
-    delta = (v - predicted) * beta
-    s_smem[...] = s * rows_of(decay) + rows_of(k) * cols_of(delta)
-    o_smem[...] = (out + qk * delta).astype(o_smem.dtype)
-
-
-def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, swizzle=True, interpret=False):
+def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, interpret=False):
     """rows [B, H, 3, dk] (q, k, decay), cols [B, H, 3, dv] (v, beta, q . k), state [B, H, dk, dv] fp32:
-    (o [B, H, dv] bf16, the new state), by `ctas` persistent CTAs with `stages` slabs in flight."""
+    (o [B, H, dv] bf16, the new state), by `ctas` persistent CTAs with `stages` slabs in flight, each
+    slab updated by `kda_decode.update_slab` (the model's kernel, one CTA per slab, is this with
+    one stage and a CTA per slab, the state updated in place)."""
     b, h, dk, dv = state.shape
     nv = dv // block_v
     slabs = b * h * nv
@@ -80,7 +63,7 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, swizzle=T
         def _(i):
             slot = i % stages
             plgpu.barrier_wait(arrived.at[slot])
-            _update(s_buf.at[slot], rows_buf.at[slot], cols_buf.at[slot], o_buf.at[slot], swizzled=swizzle)
+            kda_decode.update_slab(s_buf.at[slot], rows_buf.at[slot], cols_buf.at[slot], o_buf.at[slot])
             plgpu.commit_smem()
             bi, hi, cs = where(i)
             plgpu.copy_smem_to_gmem(s_buf.at[slot], s_out_ref.at[bi, hi, :, cs], commit_group=False)
@@ -97,7 +80,7 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, swizzle=T
         out_type=(jax.ShapeDtypeStruct((b, h, dv), jnp.bfloat16), jax.ShapeDtypeStruct(state.shape, _F32)),
         grid=(ctas,), grid_names=("cta",),
         scratch_types=(
-            plgpu.SMEM((stages, dk, block_v), _F32, transforms=_SLAB_TRANSFORMS if swizzle else ()),
+            plgpu.SMEM((stages, dk, block_v), _F32, transforms=kda_decode.SLAB_TRANSFORMS),
             plgpu.SMEM((stages, 3, dk), _F32),
             plgpu.SMEM((stages, 3, block_v), _F32),
             plgpu.SMEM((stages, block_v), jnp.bfloat16),
@@ -122,21 +105,19 @@ def inputs(x, lower_bound=-5.0):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="64,256")
-    parser.add_argument("--configs", default="32x2x0,32x1x0,64x4x132,64x6x132,64x1x0,64x4x132u",
-                        help="block_v x stages x CTAs (0 CTAs: one per slab); a trailing u: the slab unswizzled")
+    parser.add_argument("--configs", default="32x2x0,32x1x0,64x4x132,64x6x132,64x1x0",
+                        help="block_v x stages x CTAs (0 CTAs: one per slab)")
     args = parser.parse_args()
     h, d = 64, 128
     for b, x, ref, roof in parts.decode_cases(args.batches, h, d):
         rows, cols = jax.jit(inputs)(x)
         for config in args.configs.split(","):
-            swizzle = not config.endswith("u")
-            block_v, stages, ctas = (int(n) for n in config.rstrip("u").split("x"))
+            block_v, stages, ctas = (int(n) for n in config.split("x"))
             ctas = ctas or b * h * d // block_v
             call = jax.jit(functools.partial(
-                state_update, rows, cols, block_v=block_v, stages=stages, ctas=ctas, swizzle=swizzle
+                state_update, rows, cols, block_v=block_v, stages=stages, ctas=ctas
             ))
             name = f"B={b} state only, Mosaic GPU, block_v={block_v} stages={stages} CTAs={ctas}"
-            name += "" if swizzle else " unswizzled"
             try:
                 o, s = call(x["state"] + 0)
                 err = max(bench.relative_error(o.astype(_F32), ref[0].astype(_F32)), bench.relative_error(s, ref[2]))

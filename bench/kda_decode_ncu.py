@@ -2,6 +2,7 @@
 program compiled by the triton package, under Nsight Compute (registers, occupancy, DRAM throughput,
 stall reasons and SASS). Each side runs its kernels a few times at B = 64, H = 64, D = 128:
   --side jax:   `kda_decode_state_only` (bench/kda_decode_parts.py) and the fused `kda_decode_step`;
+  --side mosaic: the step in two kernels (`kda_decode.decode_step`: Triton token vectors, Mosaic GPU update);
   --side torch: `_state_only` in plain Triton (bench/kda_decode_torch.py) and fla's fused step.
 
     ncu --clock-control none -k 'regex:kda_decode|_state_only|fused_recurrent' --launch-count 8 \
@@ -36,6 +37,21 @@ def jax_side(b, h, d):
     jax.block_until_ready(s)
 
 
+def mosaic_side(b, h, d):
+    import jax
+
+    from pallas_kernels import kda, kda_decode
+
+    x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
+    fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
+    step = jax.jit(lambda c, s: kda_decode.decode_step(conv_state=c, state=s, **fixed, lower_bound=-5.0)[1:],
+                   donate_argnums=(0, 1))
+    c, s = x["conv_state"] + 0, x["state"] + 0
+    for _ in range(4):
+        c, s = step(c, s)
+    jax.block_until_ready(s)
+
+
 def torch_side(b, h, d):
     import torch
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -56,7 +72,7 @@ def torch_side(b, h, d):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--side", choices=("jax", "torch"), required=True)
+    parser.add_argument("--side", choices=("jax", "mosaic", "torch"), required=True)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
-    (jax_side if args.side == "jax" else torch_side)(args.batch, 64, 128)
+    {"jax": jax_side, "mosaic": mosaic_side, "torch": torch_side}[args.side](args.batch, 64, 128)

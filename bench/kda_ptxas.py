@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the Triton-backend KDA kernel (the decode step) for sm_90a,
+"""Registers, spills and shared memory of the Triton-backend KDA kernels (the fused decode step and
+the token vectors before the Mosaic GPU update) for sm_90a,
 read on a machine with no GPU. (The prefill scan is Mosaic GPU now; its registers come from
 MOSAIC_GPU_DUMP_PTXAS=1 on the GPU.)
 
@@ -35,7 +36,7 @@ def compile_ir(path, warps, stages):
 
 
 def lowered_kernels(decode_block_v):
-    """{name: Triton IR text} of the decode step, for an H200."""
+    """{name: Triton IR text} of the decode step's Triton kernels, for an H200."""
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
@@ -54,21 +55,22 @@ def lowered_kernels(decode_block_v):
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
     b, h, d = 1, 2, 128
     c = h * d
-    step = jax.jit(lambda *a: kda_triton.decode_step(*a, lower_bound=-5.0, block_v=decode_block_v))
-    step.trace(
+    token_args = (
         jnp.zeros((b, 3, c), jnp.bfloat16), jnp.zeros((b, 3, c, 4), jnp.bfloat16), jnp.zeros((4, 3, c)),
         jnp.zeros((b, c), jnp.bfloat16), jnp.zeros((c,)), jnp.zeros((h,)), jnp.zeros((b, h), jnp.bfloat16),
-        jnp.zeros((b, h, d, d)),
-    ).lower(lowering_platforms=("cuda",))
-    (module,) = modules
-    return {"kda_decode_step": module}
+    )
+    step = jax.jit(lambda *a: kda_triton.decode_step(*a, lower_bound=-5.0, block_v=decode_block_v))
+    step.trace(*token_args, jnp.zeros((b, h, d, d))).lower(lowering_platforms=("cuda",))
+    token_vectors = jax.jit(lambda *a: kda_triton.token_vectors(*a, lower_bound=-5.0))
+    token_vectors.trace(*token_args).lower(lowering_platforms=("cuda",))
+    return dict(zip(["kda_decode_step", "kda_decode_token_vectors"], modules, strict=True))
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--triton-python", help="a Python with triton 3.6 (see the docstring)")
     parser.add_argument("--decode-block-v", type=int, default=64)
-    parser.add_argument("--launches", default="kda_decode_step:4:1,kda_decode_step:8:1",
+    parser.add_argument("--launches", default="kda_decode_step:4:1,kda_decode_step:8:1,kda_decode_token_vectors:4:1",
                         help="kernel:num_warps:num_stages, comma separated")
     parser.add_argument("--compile", nargs=3, metavar=("IR", "WARPS", "STAGES"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -10,7 +10,7 @@ as transformers' `use_qk_l2norm_in_kernel=True` does.
 `kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form;
 `kda_decode_step` one token per sequence with everything around the core fused in (the short conv
 and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions are pure jnp and are
-the oracles of the Pallas kernels in `kda_gates`, `kda_intra`, `kda_chain` and `kda_triton`.
+the oracles of the Pallas kernels in `kda_gates`, `kda_intra`, `kda_chain`, `kda_triton` and `kda_decode`.
 
 A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
 sequence, each in [0, T]; checked where the values are known, outside jit): a padded position
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from pallas_kernels import kda_chain, kda_intra, kda_triton
+from pallas_kernels import kda_chain, kda_decode, kda_intra, kda_triton
 
 HIGHEST = jax.lax.Precision.HIGHEST
 L2_EPS = kda_intra.L2_EPS  # the model's L2-norm epsilon: one value for the references and the kernels
@@ -313,18 +313,30 @@ def kda_decode_step(
     qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, implementation=None,
     interpret=False,
 ):
-    """Fused single-token KDA; arguments and results as `kda_decode_step_reference`.
+    """Single-token KDA with everything around the core in the kernels; arguments and results as
+    `kda_decode_step_reference`. Head dims 64 and 128 with a state of at least
+    `kda_decode.MIN_STATE_BYTES` take two kernels (`kda_decode`: the token vectors in Triton, the
+    state update in Mosaic GPU); smaller states and other head dims the fused Triton step
+    (`kda_triton`).
 
-    The Pallas kernel updates `state` in place: donate it under jit, or XLA copies it first.
+    The Pallas kernels update `state` in place: donate it under jit, or XLA copies it first.
     """
     _check_decode_inputs(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state)
-    d = state.shape[-1]
-    unsupported = None if _power_of_two(d, 16, 128) else f"head dim must be a power of two in [16, 128], got {d}"
+    d, kernel = state.shape[-1], conv_weight.shape[0]
+    unsupported = None
+    if not _power_of_two(d, 16, 128):
+        unsupported = f"head dim must be a power of two in [16, 128], got {d}"
+    elif not _power_of_two(kernel, 2, 8):  # the conv state is written as [channels, K] blocks
+        unsupported = f"the conv's width K must be 2, 4 or 8, got {kernel}"
     if _pick(implementation, unsupported, qkv.dtype) == "reference":
         return kda_decode_step_reference(
             qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, lower_bound=lower_bound
         )
-    return kda_triton.decode_step(
+    # Large states stream faster through the Mosaic GPU update (the state's loads by TMA, not through
+    # L1: kda_decode's docstring); small ones, mostly served from L2, through the one fused kernel.
+    two_kernels = d in kda_decode.HEAD_DIMS and state.size * 4 >= kda_decode.MIN_STATE_BYTES
+    step = kda_decode.decode_step if two_kernels else kda_triton.decode_step
+    return step(
         qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state.astype(jnp.float32),
         lower_bound=lower_bound, interpret=interpret,
     )

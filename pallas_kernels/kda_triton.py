@@ -1,5 +1,6 @@
-"""The fused KDA decode step for NVIDIA GPUs in Pallas, Triton backend. `kda.py` dispatches here; the
-chunked prefill scan is in Mosaic GPU (`kda_intra`, `kda_chain`).
+"""The KDA decode step's Triton kernels: the fused step (`decode_step`, for head dims the Mosaic GPU
+update does not take) and the token side alone (`token_vectors`, before `kda_decode.update_state`).
+`kda.py` dispatches here; the chunked prefill scan is in Mosaic GPU (`kda_intra`, `kda_chain`).
 """
 
 import functools
@@ -12,6 +13,38 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import kda_intra
 
 
+def _conv_silu(qkv_ref, conv_ref, weight_ref, conv_out_ref, b, part, chans):
+    """Short conv over the window (conv state[1:], x), SiLU, rounded to the activations' dtype as the
+    reference does; the new conv state is that window. The taps are read one at a time (a channel's
+    K taps share a sector: L1 serves all but the first) and written as one [channels, K] block (one
+    8-byte store a channel at K = 4 in bf16, not four 2-byte ones). Read as a block, the taps taken
+    apart in registers would need layout conversions: ptxas then gives the fused step 255 registers
+    and 8 KB of shared memory rather than 128 and 1 KB (bench/kda_ptxas.py)."""
+    kernel = weight_ref.shape[0]
+    x = qkv_ref[b, part, chans].astype(jnp.float32)
+    window = [conv_ref[b, part, chans, j].astype(jnp.float32) for j in range(1, kernel)] + [x]
+    y = sum(window[j] * weight_ref[j, part, chans] for j in range(kernel))
+    tap = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], kernel), 1)
+    new_state = sum(jnp.where(tap == j, window[j][:, None], 0.0) for j in range(kernel))
+    conv_out_ref[b, part, chans, :] = new_state.astype(conv_out_ref.dtype)
+    return (jax.nn.sigmoid(y) * y).astype(qkv_ref.dtype).astype(jnp.float32)
+
+
+def _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, chans, lower_bound):
+    """The head's per-channel decay exp(g) and its beta, in fp32."""
+    f = f_ref[b, chans].astype(jnp.float32) + dt_bias_ref[chans].astype(jnp.float32)
+    rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
+    if lower_bound is not None:
+        g = lower_bound * jax.nn.sigmoid(rate * f)
+    else:
+        g = -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
+    return jnp.exp(g), jax.nn.sigmoid(beta_ref[b, h].astype(jnp.float32))
+
+
+def _norm_scale(x):
+    return 1.0 / jnp.sqrt(jnp.sum(x * x) + kda_intra.L2_EPS)
+
+
 def _decode_kernel(
     qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref, s_ref,
     o_ref, conv_out_ref, s_out_ref, *, lower_bound, block_v,
@@ -20,42 +53,21 @@ def _decode_kernel(
     # one contiguous stretch of the state rather than the same slab of 64+ different sequences.
     vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dk = s_ref.shape[2]
-    kernel = weight_ref.shape[0]
     heads_k = pl.ds(h * dk, dk)
     cols = pl.ds(vb * block_v, block_v)
     s = s_ref[b, h, :, cols]  # first: the slab's load is in flight while the token's vectors are computed
 
-    def conv_silu(part, chans):
-        """Short conv over the window (conv state[1:], x), SiLU, rounded to the activations' dtype as
-        the reference does; the new conv state is that window."""
-        x = qkv_ref[b, part, chans]
-        history = [conv_ref[b, part, chans, j] for j in range(kernel)]
-        window = history[1:] + [x]
-        y = sum(window[j].astype(jnp.float32) * weight_ref[j, part, chans] for j in range(kernel))
-        for j in range(kernel):
-            conv_out_ref[b, part, chans, j] = window[j].astype(conv_out_ref.dtype)
-        return (jax.nn.sigmoid(y) * y).astype(qkv_ref.dtype).astype(jnp.float32)
-
     # Every value block's program writes the head's q and k conv states, the same values from
     # registers: cheaper than a branch in which one program loads them again to write them.
+    conv_silu = functools.partial(_conv_silu, qkv_ref, conv_ref, weight_ref, conv_out_ref, b)
     q = conv_silu(0, heads_k)
     k = conv_silu(1, heads_k)
-
-    f = f_ref[b, heads_k].astype(jnp.float32) + dt_bias_ref[heads_k].astype(jnp.float32)
-    rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
-    if lower_bound is not None:
-        g = lower_bound * jax.nn.sigmoid(rate * f)
-    else:
-        g = -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
-    beta = jax.nn.sigmoid(beta_ref[b, h].astype(jnp.float32))
-
+    decay, beta = _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, heads_k, lower_bound)
     v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v))
     # q's and k's L2 norms are scalars applied after the reductions over the slab, so that those
     # reductions need not wait for the norms' own.
     s_out_ref[b, h, :, cols], o = slab_update(
-        s, q, k, v, jnp.exp(g), beta,
-        q_scale=dk**-0.5 / jnp.sqrt(jnp.sum(q * q) + kda_intra.L2_EPS),
-        k_scale=1.0 / jnp.sqrt(jnp.sum(k * k) + kda_intra.L2_EPS),
+        s, q, k, v, decay, beta, q_scale=dk**-0.5 * _norm_scale(q), k_scale=_norm_scale(k)
     )
     o_ref[b, h, cols] = o.astype(o_ref.dtype)
 
@@ -81,9 +93,10 @@ def decode_step(
     updated in place (donate it under jit, or XLA copies it first). Each program streams a
     [dk, block_v] slab of one head's state; the defaults, 64 columns with 4 warps, were the fastest
     of eight launch shapes on the H200 (bench/RESULTS.md; 8 warps took twice as long). On the H200
-    the kernel reaches 78-80% of the state-bytes roofline; the slab update alone reaches 87-89%, and
-    the rest is the conv state's traffic: [channels, K] with K = 4 bf16 taps per channel, read and
-    written a tap at a time (2-byte accesses 8 bytes apart). What holds the slab update there is the
+    the kernel reaches 76-79% of the state-bytes roofline at batch 64 and 256 (H = 64, D = 128;
+    writing the conv state as [channels, K] blocks rather than a tap at a time changed nothing
+    there), where the two-kernel step (`kda_decode`) reaches 80-83%; with less than 64 MiB of
+    state it is the faster of the two. The slab update alone reaches 87-89%. What holds the slab update there is the
     launch: XLA launches it preferring shared memory (228 KiB, by ncu), which leaves 28 KiB of L1 for
     this kernel's loads; the same program launched by the triton package runs at 93-95% with the
     driver's default split and at 85-86% with XLA's (bench/kda_decode_torch.py)."""
@@ -103,3 +116,46 @@ def decode_step(
         name="kda_decode_step",
     )
     return kernel(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state)
+
+
+def _token_kernel(
+    qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref, rows_ref, cols_ref, conv_out_ref, *,
+    lower_bound,
+):
+    h, b = pl.program_id(0), pl.program_id(1)
+    dk, dv = rows_ref.shape[-1], cols_ref.shape[-1]
+    conv_silu = functools.partial(_conv_silu, qkv_ref, conv_ref, weight_ref, conv_out_ref, b)
+    q, k = (conv_silu(part, pl.ds(h * dk, dk)) for part in range(2))
+    v = conv_silu(2, pl.ds(h * dv, dv))
+    decay, beta = _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, pl.ds(h * dk, dk), lower_bound)
+    q = q * (dk**-0.5 * _norm_scale(q))
+    k = k * _norm_scale(k)
+    rows_ref[b, h, 0, :] = q
+    rows_ref[b, h, 1, :] = k
+    rows_ref[b, h, 2, :] = decay
+    cols_ref[b, h, 0, :] = v
+    cols_ref[b, h, 1, :] = jnp.full((dv,), beta)
+    cols_ref[b, h, 2, :] = jnp.full((dv,), jnp.sum(q * k))
+
+
+def token_vectors(
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, *, lower_bound, num_warps=4, interpret=False,
+):
+    """The decode step's token side, one program per head: (rows [B, H, 3, dk] fp32: q normalised and
+    scaled, k normalised, the decay exp(g); cols [B, H, 3, dv] fp32: v, beta and q . k, the scalars
+    repeated over the value columns; the new conv state). Shapes as `kda.kda_decode_step`, dk = dv."""
+    b, _, c = qkv.shape
+    h = a_log.shape[0]
+    d = c // h
+    return pl.pallas_call(
+        functools.partial(_token_kernel, lower_bound=lower_bound),
+        grid=(h, b),
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, 3, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, 3, d), jnp.float32),
+            jax.ShapeDtypeStruct(conv_state.shape, qkv.dtype),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_decode_token_vectors",
+    )(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import relative_error
 
-from pallas_kernels import kda, kda_chain, kda_gates, kda_intra
+from pallas_kernels import kda, kda_chain, kda_decode, kda_gates, kda_intra, kda_triton
 
 TOLERANCE = 2e-3
 
@@ -269,6 +269,89 @@ def test_decode_step_matches_reference(lower_bound, b, h, d):
         assert relative_error(a, r) < TOLERANCE, name
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("b, h, d", [(2, 2, 64), (1, 1, 128)])
+def test_two_kernel_decode_step_matches_reference(lower_bound, b, h, d):
+    """`kda_decode.decode_step` (what `kda_decode_step` runs for states of MIN_STATE_BYTES and more,
+    too large for the interpreter) at small shapes."""
+    x = kda.random_decode_inputs(jax.random.key(d + b + 1), b, h, d)
+    got = kda_decode.decode_step(**x, lower_bound=lower_bound, interpret=True)
+    want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
+    for name, a, r in zip(["o", "conv_state", "state"], got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert relative_error(a, r) < TOLERANCE, name
+
+
+@pytest.mark.parametrize("b, h, d, block_v", [(2, 2, 64, 32), (1, 1, 128, 64)])
+def test_fused_triton_decode_step_at_the_mosaic_head_dims(b, h, d, block_v):
+    """The fused Triton step at the head dims that large states send to the two kernels, value
+    blocks narrower than the head."""
+    x = kda.random_decode_inputs(jax.random.key(d + block_v), b, h, d)
+    got = kda_triton.decode_step(**x, lower_bound=-5.0, block_v=block_v, interpret=True)
+    want = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
+    for name, a, r in zip(["o", "conv_state", "state"], got, want):
+        assert relative_error(a, r) < TOLERANCE, name
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("b, h, d", [(2, 3, 32), (1, 1, 128)])
+def test_decode_token_vectors_match_the_reference_token_side(lower_bound, b, h, d):
+    """`kda_triton.token_vectors` against the reference's own conv, norms, gate and beta."""
+    x = kda.random_decode_inputs(jax.random.key(d + h), b, h, d)
+    rows, cols, conv_state = kda_triton.token_vectors(
+        *(x[n] for n in ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits")),
+        lower_bound=lower_bound, interpret=True,
+    )
+    y, conv_want = kda.causal_short_conv(x["qkv"][:, None], x["conv_weight"], x["conv_state"])
+    q, k, v = (y[:, 0, i].reshape(b, h, d).astype(jnp.float32) for i in range(3))
+    q, k = kda.l2_normalise(q) * d**-0.5, kda.l2_normalise(k)
+    g = kda.forget_gate(x["f"], x["dt_bias"], x["a_log"], lower_bound=lower_bound)
+    beta = jax.nn.sigmoid(x["beta_logits"].astype(jnp.float32))
+    np.testing.assert_array_equal(conv_state, conv_want)
+    for name, got, want in [
+        ("q", rows[:, :, 0], q), ("k", rows[:, :, 1], k), ("decay", rows[:, :, 2], jnp.exp(g)), ("v", cols[:, :, 0], v),
+        ("beta", cols[:, :, 1], jnp.broadcast_to(beta[..., None], v.shape)),
+        ("q . k", cols[:, :, 2], jnp.broadcast_to(jnp.sum(q * k, -1, keepdims=True), v.shape)),
+    ]:
+        assert relative_error(got, want) < 1e-5, name
+
+
+@pytest.mark.parametrize("b, h, d, block_v", [(2, 3, 64, 32), (1, 1, 128, 64), (3, 1, 128, 32)])
+def test_decode_update_matches_the_recurrence(b, h, d, block_v):
+    """`kda_decode.update_state` (the Mosaic GPU kernel) against one step of the reference recurrence
+    on the same token vectors, the state updated in place under jit with donation."""
+    ks = jax.random.split(jax.random.key(b * h + d), 6)
+    q, k = (kda.l2_normalise(jax.random.normal(kk, (b, h, d))) for kk in ks[:2])
+    q = q * d**-0.5
+    v = jax.random.normal(ks[2], (b, h, d))
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, h, d)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, h)))
+    state = jax.random.normal(ks[5], (b, h, d, d))
+    rows = jnp.stack([q, k, jnp.exp(g)], axis=2)
+    per_column = (jnp.broadcast_to(scalar[..., None], v.shape) for scalar in (beta, jnp.sum(q * k, -1)))
+    cols = jnp.stack([v, *per_column], axis=2)
+    update = jax.jit(
+        functools.partial(kda_decode.update_state, out_dtype=jnp.float32, block_v=block_v, interpret=True),
+        donate_argnums=2,
+    )
+    o, new_state = update(rows, cols, state + 0)
+    # The recurrence normalises q and k itself: hand it the unit vectors, q's scale undone.
+    o_want, state_want = kda.kda_recurrent_reference(
+        *(x[:, None] for x in (q * d**0.5, k, v, g, beta)), state
+    )
+    assert relative_error(o, o_want[:, 0]) < 1e-5
+    assert relative_error(new_state, state_want) < 1e-5
+
+
+def test_decode_update_refuses_unsupported_shapes():
+    rows, cols, state = jnp.zeros((1, 1, 3, 32)), jnp.zeros((1, 1, 3, 32)), jnp.zeros((1, 1, 32, 32))
+    with pytest.raises(ValueError, match="dk must be one of"):
+        kda_decode.update_state(rows, cols, state, out_dtype=jnp.bfloat16)
+    state = jnp.zeros((1, 1, 64, 64))
+    with pytest.raises(ValueError, match="block_v = 16"):
+        kda_decode.update_state(rows, cols, state, out_dtype=jnp.bfloat16, block_v=16)
+
+
 def test_auto_dispatch_on_cpu_is_the_reference():
     args = scan_inputs(6, 1, 70, 1, 16)
     o, s = kda.kda_chunk_scan(*args)
@@ -301,3 +384,8 @@ def test_bad_arguments_raise_before_any_launch():
         kda.kda_decode_step(**{**x, "state": x["state"][:, :1]}, lower_bound=-5.0, implementation="pallas")
     with pytest.raises(ValueError, match="conv_state"):
         kda.kda_decode_step(**{**x, "conv_state": x["conv_state"][..., :3]}, lower_bound=-5.0)
+    width_3 = {**x, "conv_state": x["conv_state"][..., :3], "conv_weight": x["conv_weight"][:3]}
+    with pytest.raises(ValueError, match="the conv's width K must be 2, 4 or 8, got 3"):
+        kda.kda_decode_step(**width_3, lower_bound=-5.0, implementation="pallas")
+    got = kda.kda_decode_step(**width_3, lower_bound=-5.0)  # on the CPU: the reference, which takes any K
+    np.testing.assert_array_equal(got[2], kda.kda_decode_step_reference(**width_3, lower_bound=-5.0)[2])

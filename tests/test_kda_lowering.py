@@ -1,5 +1,5 @@
-"""The KDA kernels (the scan's gate sums, intra and chain kernels in Mosaic GPU; the decode step in
-Triton) lowered for the H200 on the CPU (no GPU needed; an abstract H200 stands in
+"""The KDA kernels (the scan's gate sums, intra and chain kernels in Mosaic GPU; the decode step's
+Triton and Mosaic GPU kernels) lowered for the H200 on the CPU (no GPU needed; an abstract H200 stands in
 for Triton's target): the lowering checks TMA shapes, layouts, wgmma operands and Triton's block
 shapes, which the interpreter does not."""
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import kda, kda_chain
+from pallas_kernels import kda, kda_chain, kda_decode
 
 
 def lowered_calls(fn, *args):
@@ -32,8 +32,16 @@ def test_chain_with_multicast_lowers_for_the_gpu(b, t, h, d, slots):
     assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 3
 
 
-@pytest.mark.parametrize("b, h, d", [(1, 64, 128), (256, 64, 128), (3, 2, 64), (2, 4, 16)])
-def test_decode_step_lowers_for_the_gpu(b, h, d):
+@pytest.mark.parametrize(
+    "b, h, d, two_kernels",
+    [(1, 64, 128, False), (8, 64, 128, False), (16, 64, 128, True), (256, 64, 128, True), (3, 2, 64, False),
+     (256, 64, 64, True), (2, 4, 16, False), (1024, 64, 32, False)],
+)
+def test_decode_step_lowers_for_the_gpu(b, h, d, two_kernels):
+    """States of 64 MiB and more at head dims 64 and 128: the Triton token vectors, then the Mosaic
+    GPU update; smaller states and other head dims the fused Triton step."""
+    assert (b * h * d * d * 4 >= kda_decode.MIN_STATE_BYTES and d in kda_decode.HEAD_DIMS) == two_kernels
     args = jax.eval_shape(lambda: kda.random_decode_inputs(jax.random.key(0), b, h, d))
     step = lambda x: kda.kda_decode_step(**x, lower_bound=-5.0, implementation="pallas")  # noqa: E731
-    assert lowered_calls(step, args) == ["__gpu$xla.gpu.triton"]
+    expected = ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"] if two_kernels else ["__gpu$xla.gpu.triton"]
+    assert lowered_calls(step, args) == expected

@@ -1,0 +1,118 @@
+"""The KDA decode step's state update in Pallas Mosaic GPU, after `kda_triton.token_vectors`.
+
+The step is a stream over the state. Loaded through L1, as a Triton kernel loads it, the slabs
+stall under XLA's launch, which leaves 28 KiB of L1 per SM (85-88% of the state-bytes roofline at
+best; bench/RESULTS.md, fifteenth session). Here each CTA (one warpgroup) takes one [dk, block_v]
+slab of one head's state into shared memory by TMA, as swizzled [8, 32] fp32 tiles (unswizzled, the
+WGMMA register layout's loads would conflict on the banks), updates it in registers and stores it
+back in place by TMA: 89-93% on the H200 (bench/kda_decode_mosaic.py, sixteenth session; in the
+step, seventeenth).
+
+The token side (conv, SiLU, norms, gate, beta) runs before, in `kda_triton.token_vectors`: fused in
+here, one channel per thread, it cost more than the stream (49-64%; bench/RESULTS.md). Apart, it
+takes 0.016 / 0.052 ms at batch 64 / 256 (H = 64, D = 128), the step 80-83% of the roofline in all.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import kda_triton
+
+BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md, sixteenth session)
+HEAD_DIMS = (64, 128)  # dk: the WGMMA layout's 64-row tiles
+# The state size from which the two kernels beat the fused Triton step on the H200 (H = 64, D = 128,
+# kernel ms: B = 8 0.0224 vs 0.0163, B = 16 0.0428 vs 0.0442, B = 64 0.155 vs 0.161; bench/RESULTS.md,
+# seventeenth session): below it the state sits largely in the 50 MB L2, where one launch is cheaper.
+MIN_STATE_BYTES = 64 * 2**20
+
+_F32 = jnp.float32
+_SLAB = plgpu.Layout.WGMMA
+_ROW, _COL = _SLAB.reduce(1), _SLAB.reduce(0)
+SLAB_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+
+def update_slab(s_smem, rows_smem, cols_smem, o_smem):
+    """The delta rule on a [dk, block_v] slab in shared memory, written back there; o's block_v
+    columns to o_smem. rows_smem [3, dk]: q (normalised, scaled), k (normalised), decay; cols_smem
+    [3, block_v]: v, beta, q . k (the scalars repeated).
+
+    With D = diag(decay): predicted = k^T D S and o = q^T D S + (q . k) delta, two independent
+    reductions over the old state, then S <- D S + k delta^T."""
+    dk, block_v = s_smem.shape
+    s = plgpu.load(s_smem, layout=_SLAB)
+    q, k, decay = (plgpu.load(rows_smem.at[i], layout=_ROW, optimized=False) for i in range(3))
+    v, beta, qk = (plgpu.load(cols_smem.at[i], layout=_COL, optimized=False) for i in range(3))
+
+    def rows_of(x):
+        return lax.broadcast_in_dim(x, (dk, block_v), [0])
+
+    predicted = jnp.sum(rows_of(k * decay) * s, axis=0)
+    out = jnp.sum(rows_of(q * decay) * s, axis=0)
+    delta = (v - predicted) * beta
+    s_smem[...] = s * rows_of(decay) + rows_of(k) * lax.broadcast_in_dim(delta, (dk, block_v), [1])
+    o_smem[...] = (out + qk * delta).astype(o_smem.dtype)
+
+
+def _update_kernel(rows_ref, cols_ref, s_ref, o_ref, s_smem, rows_smem, cols_smem, o_smem, arrived):
+    vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+    block_v = s_smem.shape[1]
+    cols = pl.ds(vb * block_v, block_v)
+    plgpu.copy_gmem_to_smem(s_ref.at[b, h, :, cols], s_smem, arrived)
+    plgpu.copy_gmem_to_smem(rows_ref.at[b, h], rows_smem, arrived)
+    plgpu.copy_gmem_to_smem(cols_ref.at[b, h, :, cols], cols_smem, arrived)
+    plgpu.barrier_wait(arrived)
+    update_slab(s_smem, rows_smem, cols_smem, o_smem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(s_smem, s_ref.at[b, h, :, cols])
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def update_state(rows, cols, state, *, out_dtype, block_v=BLOCK_V, interpret=False):
+    """rows [B, H, 3, dk] and cols [B, H, 3, dv] fp32 from `kda_triton.token_vectors`, state
+    [B, H, dk, dv] fp32 (dk in HEAD_DIMS, dv a multiple of block_v in {32, 64}): (o [B, H, dv] in
+    out_dtype, the new state). The state is updated in place (donate it under jit, or XLA copies
+    it first). One CTA per slab, the value block varying fastest in launch order, then the head:
+    CTAs resident together stream one contiguous stretch of the state (with the batch fastest, 4 MiB
+    apart, the step ran at 67-74% of the roofline on the H200 rather than the probe's 92-93%)."""
+    b, h, dk, dv = state.shape
+    if dk not in HEAD_DIMS or block_v not in (32, 64) or dv % block_v:
+        raise ValueError(f"dk must be one of {HEAD_DIMS} and dv a multiple of block_v in (32, 64); got"
+                         f" dk = {dk}, dv = {dv}, block_v = {block_v}")
+    kernel = plgpu.kernel(
+        _update_kernel,
+        out_type=jax.ShapeDtypeStruct((b, h, dv), out_dtype),
+        grid=(b, h, dv // block_v),  # Mosaic GPU launches the last grid axis fastest
+        grid_names=("b", "h", "v"),
+        scratch_types=(
+            plgpu.SMEM((dk, block_v), _F32, transforms=SLAB_TRANSFORMS),
+            plgpu.SMEM((3, dk), _F32),
+            plgpu.SMEM((3, block_v), _F32),
+            plgpu.SMEM((block_v,), out_dtype),
+            plgpu.Barrier(num_arrivals=3),
+        ),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="kda_decode_update",
+    )
+    # The state goes in as a mutable Ref: the kernel writes each slab back where it read it.
+    state = jax.new_ref(state)
+    o = kernel(rows, cols, state)
+    return o, jax.freeze(state)
+
+
+def decode_step(
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V,
+    token_warps=4, interpret=False,
+):
+    """The one-token KDA step in two kernels: `kda_triton.token_vectors`, then `update_state`. Shapes
+    and results as `kda.kda_decode_step` (checked there)."""
+    rows, cols, conv_state = kda_triton.token_vectors(
+        qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, lower_bound=lower_bound, num_warps=token_warps,
+        interpret=interpret,
+    )
+    o, state = update_state(rows, cols, state, out_dtype=qkv.dtype, block_v=block_v, interpret=interpret)
+    return o, conv_state, state
