@@ -2,8 +2,10 @@
 
 Prefill: `kda_chunk_scan` (Pallas Mosaic GPU: the intra kernel, then the chain) vs fla-core 0.6.0 `chunk_kda` (Triton, torch) and
 jla 0.1.0 `kda` (Pallas Mosaic GPU) at (B, T, H) = (1, 16384, 16), (1, 8192, 64), (8, 4096, 16), D = 128.
-Decode: `kda_decode_step` (conv + gate + state update fused) at batch 1, 64, 256 with H = 64 vs the
-state-bytes roofline and fla's `fused_recurrent_kda_fwd` (core update only, as probe_kda_decode.py).
+Decode: the step (conv + gate + state update) at batch 1, 64, 256 with H = 64 in both of
+`kda_decode_step`'s forms (the fused Triton step, `64x4`; the Triton token vectors then the Mosaic
+GPU update, `m32`) vs the state-bytes roofline and fla's `fused_recurrent_kda_fwd` (core update only,
+as probe_kda_decode.py).
 
 Errors are max|d| / max|ref| against the reference on the same bf16 inputs (the reference in fp32,
 HIGHEST precision). Times are medians: ours and jla's prefill as 20 jitted calls dispatched back to
@@ -45,7 +47,7 @@ CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns 
     "mc0": {"multicast": False},  # (the default: multicast when the chain's grid fits in one wave)
     "v16mc0": {"block_v": 16, "multicast": False},
 }
-DECODE_VARIANTS = [(64, 4)]  # (block_v, num_warps)
+DECODE_VARIANTS = "64x4,m32"  # see --decode-variants
 ROWS = []  # (section, name, shape, error, ms, note)
 INTERPRET = False  # --interpret: a CPU smoke run of this script on tiny shapes
 PEERS = True
@@ -316,7 +318,7 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
         traceback.print_exc()
 
 
-def bench_decode(hbm, variants=DECODE_VARIANTS):
+def bench_decode(hbm, variants):
     h, d = (2, 64) if INTERPRET else (64, 128)
     log(f"\n== decode step, H={h} D={d}")
     for b in DECODE_BATCHES:
@@ -441,7 +443,7 @@ def main():
     parser.add_argument("--prefill-shapes", default=";".join(",".join(map(str, x[:3])) for x in PREFILL_SHAPES),
                         help="B,T,H;B,T,H;... at D = 128")
     parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes, at H = 64")
-    parser.add_argument("--decode-variants", default=",".join(f"{v}x{w}" for v, w in DECODE_VARIANTS),
+    parser.add_argument("--decode-variants", default=DECODE_VARIANTS,
                         help="decode launch shapes: value columns x warps (the fused Triton step), or mN[wW] (Triton token"
                              " vectors in W warps, default 4, then the Mosaic GPU update in N columns)")
     args = parser.parse_args()
