@@ -13,7 +13,11 @@ roofline (bench/RESULTS.md, sixteenth session): 32 columns, one CTA per slab; or
 4 stages, 132 persistent CTAs.
 Timed as bench/kda.py times the step (the kernel's GPU time in a profiler trace of 20 chained calls).
 
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_decode_mosaic.py [--batches 64,256] [--configs 64x4x132]
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_decode_mosaic.py [--batches 64,256] [--configs model,64x4x132]
+
+`model` times the model's kernel (`kda_decode.update_state`, 32 columns, one CTA per slab, the state
+updated in place) on the same inputs: in the step it ran at 89-90% where 32x1x0, which writes a
+second buffer, ran at 92-93% (bench/RESULTS.md, seventeenth session).
 """
 
 import argparse
@@ -105,23 +109,30 @@ def inputs(x, lower_bound=-5.0):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="64,256")
-    parser.add_argument("--configs", default="32x2x0,32x1x0,64x4x132,64x6x132,64x1x0",
-                        help="block_v x stages x CTAs (0 CTAs: one per slab)")
+    parser.add_argument("--configs", default="model,32x1x0,64x4x132,64x6x132",
+                        help="block_v x stages x CTAs (0 CTAs: one per slab), or model: the model's kernel,"
+                             " kda_decode.update_state (32x1x0 with the state updated in place)")
     args = parser.parse_args()
     h, d = 64, 128
     for b, x, ref, roof in parts.decode_cases(args.batches, h, d):
         rows, cols = jax.jit(inputs)(x)
         for config in args.configs.split(","):
-            block_v, stages, ctas = (int(n) for n in config.split("x"))
-            ctas = ctas or b * h * d // block_v
-            call = jax.jit(functools.partial(
-                state_update, rows, cols, block_v=block_v, stages=stages, ctas=ctas
-            ))
-            name = f"B={b} state only, Mosaic GPU, block_v={block_v} stages={stages} CTAs={ctas}"
+            if config == "model":
+                update = functools.partial(kda_decode.update_state, out_dtype=jnp.bfloat16)
+                call = jax.jit(lambda state, update=update: update(rows, cols, state), donate_argnums=0)
+                name, kernel = f"B={b} state only, kda_decode.update_state (in place)", "kda_decode_update"
+            else:
+                block_v, stages, ctas = (int(n) for n in config.split("x"))
+                ctas = ctas or b * h * d // block_v
+                call = jax.jit(functools.partial(
+                    state_update, rows, cols, block_v=block_v, stages=stages, ctas=ctas
+                ))
+                name = f"B={b} state only, Mosaic GPU, block_v={block_v} stages={stages} CTAs={ctas}"
+                kernel = "kda_decode_mosaic"
             try:
                 o, s = call(x["state"] + 0)
                 err = max(bench.relative_error(o.astype(_F32), ref[0].astype(_F32)), bench.relative_error(s, ref[2]))
-                ms = bench.kernel_ms(lambda state: (call(state)[1],), (x["state"],), "kda_decode_mosaic")
+                ms = bench.kernel_ms(lambda state, call=call: (call(state)[1],), (x["state"],), kernel)
             except Exception as e:  # a launch shape that does not fit is reported, not fatal
                 bench.log(f"{name}: failed: {str(e).splitlines()[0][:200]}")
                 continue
