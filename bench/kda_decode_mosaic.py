@@ -31,7 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import kda as bench
 import kda_decode_parts as parts
-from pallas_kernels import kda_decode
+from pallas_kernels import kda, kda_decode
 
 _F32 = jnp.float32
 
@@ -96,16 +96,6 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, interpret
     )(rows, cols, state)
 
 
-def inputs(x, lower_bound=-5.0):
-    """The probe's rows and cols from `kda.random_decode_inputs`, by the reference's own token side."""
-    q, k, v, decay, beta, _ = parts.token_vectors_of(x, lower_bound=lower_bound)
-    qk = jnp.sum(q * k, axis=-1)
-    rows = jnp.stack([q, k, decay], axis=2)
-    per_column = (jnp.broadcast_to(scalar[..., None], v.shape) for scalar in (beta, qk))
-    cols = jnp.stack([v, *per_column], axis=2)
-    return rows, cols
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="64,256")
@@ -115,7 +105,9 @@ def main():
     args = parser.parse_args()
     h, d = 64, 128
     for b, x, ref, roof in parts.decode_cases(args.batches, h, d):
-        rows, cols = jax.jit(inputs)(x)
+        rows, cols, _ = jax.jit(functools.partial(kda.decode_token_vectors_reference, lower_bound=-5.0))(
+            *(x[n] for n in parts.TOKEN_SIDE)
+        )
         for config in args.configs.split(","):
             if config == "model":
                 update = functools.partial(kda_decode.update_state, out_dtype=jnp.bfloat16)

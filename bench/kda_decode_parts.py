@@ -49,24 +49,14 @@ def state_only(q, k, v, decay, beta, state, *, block_v, num_warps):
     )(q, k, v, decay, beta, state)
 
 
-def token_vectors(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, *, lower_bound):
-    """q (normalised and scaled), k (normalised), v, decay and beta in fp32, [B, H, d] and [B, H]."""
-    h = a_log.shape[0]
-    y, conv_state = kda.causal_short_conv(qkv[:, None], conv_weight, conv_state)
-    q, k, v = (y[:, 0, i].reshape(y.shape[0], h, -1).astype(jnp.float32) for i in range(3))
-    d = q.shape[-1]
-    q = kda.l2_normalise(q) * d**-0.5
-    k = kda.l2_normalise(k)
-    g = kda.forget_gate(f[:, None], dt_bias, a_log, lower_bound=lower_bound)[:, 0].reshape(q.shape)
-    return q, k, v, jnp.exp(g), jax.nn.sigmoid(beta_logits.astype(jnp.float32)), conv_state
+TOKEN_SIDE = ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits")  # the step's token inputs
 
 
 def token_vectors_of(x, *, lower_bound):
-    """`token_vectors` of a `kda.random_decode_inputs` dict."""
-    return token_vectors(
-        x["qkv"], x["conv_state"], *(x[n] for n in ("conv_weight", "f", "dt_bias", "a_log", "beta_logits")),
-        lower_bound=lower_bound,
-    )
+    """q (normalised and scaled), k (normalised), v, decay and beta in fp32, [B, H, d] and [B, H],
+    and the new conv state, of a `kda.random_decode_inputs` dict: the reference's token side."""
+    rows, cols, conv_state = kda.decode_token_vectors_reference(*(x[n] for n in TOKEN_SIDE), lower_bound=lower_bound)
+    return rows[:, :, 0], rows[:, :, 1], cols[:, :, 0], rows[:, :, 2], cols[:, :, 1, 0], conv_state
 
 
 def decode_cases(batches, h, d):

@@ -78,11 +78,15 @@ def update_state(rows, cols, state, *, out_dtype, block_v=BLOCK_V, interpret=Fal
     out_dtype, the new state). The state is updated in place (donate it under jit, or XLA copies
     it first). One CTA per slab, the value block varying fastest in launch order, then the head:
     CTAs resident together stream one contiguous stretch of the state (with the batch fastest, 4 MiB
-    apart, the step ran at 67-74% of the roofline on the H200 rather than the probe's 92-93%)."""
+    apart, the step ran at 67-74% of the roofline on the H200 rather than the probe's 92-93%). The
+    oracle is `kda.decode_update_reference`."""
     b, h, dk, dv = state.shape
     if dk not in HEAD_DIMS or block_v not in (32, 64) or dv % block_v:
         raise ValueError(f"dk must be one of {HEAD_DIMS} and dv a multiple of block_v in (32, 64); got"
                          f" dk = {dk}, dv = {dv}, block_v = {block_v}")
+    for name, x, width in (("rows", rows, dk), ("cols", cols, dv)):
+        if x.shape != (b, h, 3, width) or x.dtype != _F32:
+            raise ValueError(f"{name} must be float32 [{b}, {h}, 3, {width}], got {x.dtype} {list(x.shape)}")
     kernel = plgpu.kernel(
         _update_kernel,
         out_type=jax.ShapeDtypeStruct((b, h, dv), out_dtype),

@@ -1,5 +1,6 @@
-"""The KDA decode step's Triton kernels: the fused step (`decode_step`, for head dims the Mosaic GPU
-update does not take) and the token side alone (`token_vectors`, before `kda_decode.update_state`).
+"""The KDA decode step's Triton kernels: the fused step (`decode_step`, for states under
+`kda_decode.MIN_STATE_BYTES` and head dims the Mosaic GPU update does not take) and the token side
+alone (`token_vectors`, before `kda_decode.update_state`).
 `kda.py` dispatches here; the chunked prefill scan is in Mosaic GPU (`kda_intra`, `kda_chain`).
 """
 
@@ -96,8 +97,8 @@ def decode_step(
     the kernel reaches 76-79% of the state-bytes roofline at batch 64 and 256 (H = 64, D = 128;
     writing the conv state as [channels, K] blocks rather than a tap at a time changed nothing
     there), where the two-kernel step (`kda_decode`) reaches 80-83%; with less than 64 MiB of
-    state it is the faster of the two. The slab update alone reaches 87-89%. What holds the slab update there is the
-    launch: XLA launches it preferring shared memory (228 KiB, by ncu), which leaves 28 KiB of L1 for
+    state it is the faster of the two. The slab update alone reaches 87-89%. What holds it there
+    is the launch: XLA launches it preferring shared memory (228 KiB, by ncu), which leaves 28 KiB of L1 for
     this kernel's loads; the same program launched by the triton package runs at 93-95% with the
     driver's default split and at 85-86% with XLA's (bench/kda_decode_torch.py)."""
     b, h, _, dv = state.shape
@@ -143,7 +144,8 @@ def token_vectors(
 ):
     """The decode step's token side, one program per head: (rows [B, H, 3, dk] fp32: q normalised and
     scaled, k normalised, the decay exp(g); cols [B, H, 3, dv] fp32: v, beta and q . k, the scalars
-    repeated over the value columns; the new conv state). Shapes as `kda.kda_decode_step`, dk = dv."""
+    repeated over the value columns; the new conv state). Shapes as `kda.kda_decode_step`, dk = dv;
+    the oracle is `kda.decode_token_vectors_reference`."""
     b, _, c = qkv.shape
     h = a_log.shape[0]
     d = c // h

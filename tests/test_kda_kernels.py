@@ -293,54 +293,49 @@ def test_fused_triton_decode_step_at_the_mosaic_head_dims(b, h, d, block_v):
         assert relative_error(a, r) < TOLERANCE, name
 
 
+TOKEN_SIDE = ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits")
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("b, h, d", [(2, 3, 32), (1, 1, 128)])
-def test_decode_token_vectors_match_the_reference_token_side(lower_bound, b, h, d):
-    """`kda_triton.token_vectors` against the reference's own conv, norms, gate and beta."""
-    x = kda.random_decode_inputs(jax.random.key(d + h), b, h, d)
-    rows, cols, conv_state = kda_triton.token_vectors(
-        *(x[n] for n in ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits")),
-        lower_bound=lower_bound, interpret=True,
-    )
-    y, conv_want = kda.causal_short_conv(x["qkv"][:, None], x["conv_weight"], x["conv_state"])
-    q, k, v = (y[:, 0, i].reshape(b, h, d).astype(jnp.float32) for i in range(3))
-    q, k = kda.l2_normalise(q) * d**-0.5, kda.l2_normalise(k)
-    g = kda.forget_gate(x["f"], x["dt_bias"], x["a_log"], lower_bound=lower_bound)
-    beta = jax.nn.sigmoid(x["beta_logits"].astype(jnp.float32))
+def test_the_two_kernel_references_compose_to_the_step_reference(lower_bound, b, h, d):
+    """The token vectors' and the update's references, one after the other, give the step's."""
+    x = kda.random_decode_inputs(jax.random.key(d + h + 7), b, h, d)
+    rows, cols, conv_state = kda.decode_token_vectors_reference(*(x[n] for n in TOKEN_SIDE), lower_bound=lower_bound)
+    o, state = kda.decode_update_reference(rows, cols, x["state"], out_dtype=jnp.float32)
+    o_want, conv_want, state_want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
     np.testing.assert_array_equal(conv_state, conv_want)
-    for name, got, want in [
-        ("q", rows[:, :, 0], q), ("k", rows[:, :, 1], k), ("decay", rows[:, :, 2], jnp.exp(g)), ("v", cols[:, :, 0], v),
-        ("beta", cols[:, :, 1], jnp.broadcast_to(beta[..., None], v.shape)),
-        ("q . k", cols[:, :, 2], jnp.broadcast_to(jnp.sum(q * k, -1, keepdims=True), v.shape)),
-    ]:
-        assert relative_error(got, want) < 1e-5, name
+    assert relative_error(state, state_want) < 1e-5
+    assert o_want.dtype == jnp.bfloat16 and relative_error(o, o_want) < 2**-8  # o_want rounded to bf16
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("b, h, d", [(2, 3, 32), (1, 1, 128)])
+def test_decode_token_vectors_match_the_reference(lower_bound, b, h, d):
+    """`kda_triton.token_vectors`: conv, norms, gate and beta against their reference."""
+    x = kda.random_decode_inputs(jax.random.key(d + h), b, h, d)
+    got = kda_triton.token_vectors(*(x[n] for n in TOKEN_SIDE), lower_bound=lower_bound, interpret=True)
+    want = kda.decode_token_vectors_reference(*(x[n] for n in TOKEN_SIDE), lower_bound=lower_bound)
+    np.testing.assert_array_equal(got[2], want[2])
+    for name, a, r in zip(["rows", "cols"], got[:2], want[:2]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert relative_error(a, r) < 1e-5, name
 
 
 @pytest.mark.parametrize("b, h, d, block_v", [(2, 3, 64, 32), (1, 1, 128, 64), (3, 1, 128, 32)])
-def test_decode_update_matches_the_recurrence(b, h, d, block_v):
-    """`kda_decode.update_state` (the Mosaic GPU kernel) against one step of the reference recurrence
-    on the same token vectors, the state updated in place under jit with donation."""
-    ks = jax.random.split(jax.random.key(b * h + d), 6)
-    q, k = (kda.l2_normalise(jax.random.normal(kk, (b, h, d))) for kk in ks[:2])
-    q = q * d**-0.5
-    v = jax.random.normal(ks[2], (b, h, d))
-    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, h, d)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, h)))
-    state = jax.random.normal(ks[5], (b, h, d, d))
-    rows = jnp.stack([q, k, jnp.exp(g)], axis=2)
-    per_column = (jnp.broadcast_to(scalar[..., None], v.shape) for scalar in (beta, jnp.sum(q * k, -1)))
-    cols = jnp.stack([v, *per_column], axis=2)
+def test_decode_update_matches_the_reference(b, h, d, block_v):
+    """`kda_decode.update_state` (the Mosaic GPU kernel) against its reference, the state updated in
+    place under jit with donation."""
+    x = kda.random_decode_inputs(jax.random.key(b * h + d), b, h, d)
+    rows, cols, _ = kda.decode_token_vectors_reference(*(x[n] for n in TOKEN_SIDE), lower_bound=-5.0)
     update = jax.jit(
         functools.partial(kda_decode.update_state, out_dtype=jnp.float32, block_v=block_v, interpret=True),
         donate_argnums=2,
     )
-    o, new_state = update(rows, cols, state + 0)
-    # The recurrence normalises q and k itself: hand it the unit vectors, q's scale undone.
-    o_want, state_want = kda.kda_recurrent_reference(
-        *(x[:, None] for x in (q * d**0.5, k, v, g, beta)), state
-    )
-    assert relative_error(o, o_want[:, 0]) < 1e-5
-    assert relative_error(new_state, state_want) < 1e-5
+    o, state = update(rows, cols, x["state"] + 0)
+    o_want, state_want = kda.decode_update_reference(rows, cols, x["state"], out_dtype=jnp.float32)
+    assert relative_error(o, o_want) < 1e-5
+    assert relative_error(state, state_want) < 1e-5
 
 
 def test_decode_update_refuses_unsupported_shapes():
@@ -350,6 +345,10 @@ def test_decode_update_refuses_unsupported_shapes():
     state = jnp.zeros((1, 1, 64, 64))
     with pytest.raises(ValueError, match="block_v = 16"):
         kda_decode.update_state(rows, cols, state, out_dtype=jnp.bfloat16, block_v=16)
+    with pytest.raises(ValueError, match=r"rows must be float32 \[1, 1, 3, 64\], got float32 \[1, 1, 3, 32\]"):
+        kda_decode.update_state(rows, jnp.zeros((1, 1, 3, 64)), state, out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="cols must be float32"):
+        kda_decode.update_state(jnp.zeros((1, 1, 3, 64)), cols.astype(jnp.bfloat16), state, out_dtype=jnp.bfloat16)
 
 
 def test_auto_dispatch_on_cpu_is_the_reference():
