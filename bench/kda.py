@@ -318,8 +318,8 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
         traceback.print_exc()
 
 
-def bench_decode(hbm, variants):
-    h, d = (2, 64) if INTERPRET else (64, 128)
+def bench_decode(hbm, variants, d=128):
+    h, d = (2, 64) if INTERPRET else (64, d)
     log(f"\n== decode step, H={h} D={d}")
     for b in DECODE_BATCHES:
         x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
@@ -443,6 +443,7 @@ def main():
     parser.add_argument("--prefill-shapes", default=";".join(",".join(map(str, x[:3])) for x in PREFILL_SHAPES),
                         help="B,T,H;B,T,H;... at D = 128")
     parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes, at H = 64")
+    parser.add_argument("--decode-dim", type=int, default=128, help="decode head dim dk = dv")
     parser.add_argument("--decode-variants", default=DECODE_VARIANTS,
                         help="decode launch shapes: value columns x warps (the fused Triton step), or mN[wW] (Triton token"
                              " vectors in W warps, default 4, then the Mosaic GPU update in N columns)")
@@ -458,7 +459,7 @@ def main():
     if "check" not in skip:
         check_small()
     if "decode" not in skip:
-        bench_decode(hbm, [decode_variant(v) for v in args.decode_variants.split(",")])
+        bench_decode(hbm, [decode_variant(v) for v in args.decode_variants.split(",")], args.decode_dim)
     if "prefill" not in skip:
         bench_prefill({name: CONFIGS[name] for name in args.configs.split(",")})
     log("\n| section | implementation | shape | error | ms | note |\n| --- | --- | --- | --- | --- | --- |")

@@ -340,8 +340,8 @@ def kda_decode_step(
     interpret=False,
 ):
     """Single-token KDA with everything around the core in the kernels; arguments and results as
-    `kda_decode_step_reference`. Head dims 64 and 128 with a state of at least
-    `kda_decode.MIN_STATE_BYTES` take two kernels (`kda_decode`: the token vectors in Triton, the
+    `kda_decode_step_reference`. Head dim 128 with a state of at least
+    `kda_decode.MIN_STATE_BYTES` takes two kernels (`kda_decode`: the token vectors in Triton, the
     state update in Mosaic GPU); smaller states and other head dims the fused Triton step
     (`kda_triton`).
 
@@ -360,7 +360,7 @@ def kda_decode_step(
         )
     # Large states stream faster through the Mosaic GPU update (the state's loads by TMA, not through
     # L1: kda_decode's docstring); small ones, mostly served from L2, through the one fused kernel.
-    two_kernels = d in kda_decode.HEAD_DIMS and state.size * 4 >= kda_decode.MIN_STATE_BYTES
+    two_kernels = d in kda_decode.STEP_HEAD_DIMS and state.size * 4 >= kda_decode.MIN_STATE_BYTES
     step = kda_decode.decode_step if two_kernels else kda_triton.decode_step
     return step(
         qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state.astype(jnp.float32),

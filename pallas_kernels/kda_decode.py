@@ -24,10 +24,14 @@ from pallas_kernels import kda_triton
 
 BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md, sixteenth session)
 HEAD_DIMS = (64, 128)  # dk: the WGMMA layout's 64-row tiles
-# The state size from which the two kernels beat the fused Triton step on the H200 (H = 64, D = 128,
-# kernel ms: B = 8 0.0224 vs 0.0163, B = 16 0.0428 vs 0.0442, B = 64 0.155 vs 0.161; bench/RESULTS.md,
-# seventeenth session): below it the state sits largely in the 50 MB L2, where one launch is cheaper.
+# Where the two kernels beat the fused Triton step on the H200 (bench/RESULTS.md): from 64 MiB of
+# state at D = 128 (H = 64, kernel ms: B = 8 0.0224 vs 0.0163, B = 16 0.0428 vs 0.0442, B = 64 0.155
+# vs 0.161; seventeenth session); below it the state sits largely in the 50 MB L2, where one launch
+# is cheaper. At D = 64 never: the token side weighs twice as much against a head's state, and the
+# fused step was faster at every batch from 8 to 128 MiB (B = 512: 0.414 vs 0.434 ms with 64-column
+# slabs, 0.488 with 32; eighteenth session).
 MIN_STATE_BYTES = 64 * 2**20
+STEP_HEAD_DIMS = (128,)
 
 _F32 = jnp.float32
 _SLAB = plgpu.Layout.WGMMA

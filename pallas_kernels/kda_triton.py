@@ -1,5 +1,5 @@
 """The KDA decode step's Triton kernels: the fused step (`decode_step`, for states under
-`kda_decode.MIN_STATE_BYTES` and head dims the Mosaic GPU update does not take) and the token side
+`kda_decode.MIN_STATE_BYTES` and head dims outside `kda_decode.STEP_HEAD_DIMS`) and the token side
 alone (`token_vectors`, before `kda_decode.update_state`).
 `kda.py` dispatches here; the chunked prefill scan is in Mosaic GPU (`kda_intra`, `kda_chain`).
 """
@@ -97,7 +97,7 @@ def decode_step(
     the kernel reaches 76-79% of the state-bytes roofline at batch 64 and 256 (H = 64, D = 128;
     writing the conv state as [channels, K] blocks rather than a tap at a time changed nothing
     there), where the two-kernel step (`kda_decode`) reaches 80-83%; with less than 64 MiB of
-    state it is the faster of the two. The slab update alone reaches 87-89%. What holds it there
+    state, or at D = 64, it is the faster of the two. The slab update alone reaches 87-89%. What holds it there
     is the launch: XLA launches it preferring shared memory (228 KiB, by ncu), which leaves 28 KiB of L1 for
     this kernel's loads; the same program launched by the triton package runs at 93-95% with the
     driver's default split and at 85-86% with XLA's (bench/kda_decode_torch.py)."""
