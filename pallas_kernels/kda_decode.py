@@ -9,9 +9,9 @@ back in place by TMA: 89-93% on the H200 (bench/kda_decode_mosaic.py, sixteenth 
 step, seventeenth).
 
 The token side (conv, SiLU, norms, gate, beta) runs before, in `kda_triton.token_vectors`: fused in
-here, one channel per thread, the step ran at 49-64% (launched batch fastest, as this kernel was at
-first, which cost it 18%: a fair reading is still to be taken; bench/RESULTS.md). Apart, it
-takes 0.016 / 0.052 ms at batch 64 / 256 (H = 64, D = 128), the step 80-83% of the roofline in all.
+here, one channel per thread, the step ran at 53-63% of the roofline whether each slab's CTA or one
+CTA per head computed it (bench/RESULTS.md, eighteenth session). Apart, it takes 0.016 / 0.052 ms
+at batch 64 / 256 (H = 64, D = 128), the step 81-83% of the roofline in all.
 """
 
 import jax
