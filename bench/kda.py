@@ -46,6 +46,10 @@ CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns 
     "mc": {"multicast": True},  # a head's value blocks as one cluster, sharing their tiles by TMA multicast
     "mc0": {"multicast": False},  # (the default: multicast when the chain's grid fits in one wave)
     "v16mc0": {"block_v": 16, "multicast": False},
+    # 64 value columns, one slot (two would take 248 KB of SMEM): half the CTAs, each with twice the
+    # columns per wgmma (less SMEM read per multiply-add); clusters of a head's two blocks in one wave
+    "v64s1": {"block_v": 64, "slots": 1},
+    "v64s1mc0": {"block_v": 64, "slots": 1, "multicast": False},
 }
 DECODE_VARIANTS = "64x4,m32"  # see --decode-variants
 ROWS = []  # (section, name, shape, error, ms, note)
