@@ -120,9 +120,10 @@ def chain_ms(call, carry, n=20, reps=7):
     return per_call_ms(run_chain, n, reps)
 
 
-def kernel_ms(call, carry, name_part, n=20):
+def kernel_ms(call, carry, name_part, n=20, per_part=None):
     """Median GPU time of the kernels named `*name_part*` in n calls of `call(*carry) -> carry`
-    (name_part a tuple: the sum of each one's median, for a step of several kernels)
+    (name_part a tuple: the sum of each one's median, for a step of several kernels; each one's
+    (name, median) appended to the list `per_part` if given)
     unrolled in one jit (the carry donated), read from a `jax.profiler` trace (CUPTI): the kernel's
     own time, without the ~0.4 ms that dispatching and waiting for the whole jitted chain add to
     `chain_ms` (~20 us a step at n = 20). A decoder's step inside a larger jitted program pays the
@@ -148,8 +149,8 @@ def kernel_ms(call, carry, name_part, n=20):
         if len(times) != n:
             raise RuntimeError(f"expected {n} kernels named *{part}* in the trace, found {len(times)}")
         total += statistics.median(times)
-        if not isinstance(name_part, str):
-            log(f"    kernel *{part}*: {statistics.median(times):.4f} ms")
+        if per_part is not None:
+            per_part.append((part, statistics.median(times)))
     return total
 
 
@@ -370,8 +371,10 @@ def bench_decode(hbm, variants, d=128):
                 err = max(relative_error(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref))
                 step = lambda *carry, call=call: call(*carry)[1:]  # noqa: E731
                 carry = (x["conv_state"], x["state"])
-                report(name, err, None if INTERPRET else kernel_ms(step, carry, kernels),
-                       chain_ms(step, tuple(a + 0 for a in carry)))
+                per_kernel = []
+                kernel = None if INTERPRET else kernel_ms(step, carry, kernels, per_part=per_kernel)
+                report(name, err, kernel, chain_ms(step, tuple(a + 0 for a in carry)),
+                       " + ".join(f"{part} {ms:.4f}" for part, ms in per_kernel) if len(per_kernel) > 1 else "")
             except Exception:
                 traceback.print_exc()
                 log(f"{name} B={b}: FAILED")
