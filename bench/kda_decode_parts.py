@@ -49,13 +49,12 @@ def state_only(q, k, v, decay, beta, state, *, block_v, num_warps):
     )(q, k, v, decay, beta, state)
 
 
-TOKEN_SIDE = ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits")  # the step's token inputs
-
-
 def token_vectors_of(x, *, lower_bound):
     """q (normalised and scaled), k (normalised), v, decay and beta in fp32, [B, H, d] and [B, H],
     and the new conv state, of a `kda.random_decode_inputs` dict: the reference's token side."""
-    rows, cols, conv_state = kda.decode_token_vectors_reference(*(x[n] for n in TOKEN_SIDE), lower_bound=lower_bound)
+    rows, cols, conv_state = kda.decode_token_vectors_reference(
+        *(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound
+    )
     return rows[:, :, 0], rows[:, :, 1], cols[:, :, 0], rows[:, :, 2], cols[:, :, 1, 0], conv_state
 
 

@@ -230,6 +230,10 @@ def decode_update_reference(rows, cols, state, *, out_dtype):
     return jnp.einsum("bhk,bhkv->bhv", q, state, precision=HIGHEST).astype(out_dtype), state
 
 
+DECODE_TOKEN_INPUTS = ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits")
+"""`kda_decode_step`'s arguments that `decode_token_vectors_reference` takes, in its order."""
+
+
 def random_decode_inputs(key, b, h, d, *, state_scale=1.0):
     """Random keyword arguments of `kda_decode_step` (B = b, H = h, dk = dv = d, a width-4 conv), bf16
     activations as the model passes them: for tests and benchmarks."""

@@ -97,9 +97,9 @@ def decode_step(
     the kernel reaches 76-79% of the state-bytes roofline at batch 64 and 256 (H = 64, D = 128;
     writing the conv state as [channels, K] blocks rather than a tap at a time changed nothing
     there), where the two-kernel step (`kda_decode`) reaches 80-83%; with less than 64 MiB of
-    state, or at D = 64, it is the faster of the two. The slab update alone reaches 87-89%. What holds it there
-    is the launch: XLA launches it preferring shared memory (228 KiB, by ncu), which leaves 28 KiB of L1 for
-    this kernel's loads; the same program launched by the triton package runs at 93-95% with the
+    state, or at D = 64, it is the faster of the two. The slab update alone reaches 87-89%. What
+    holds it there is the launch: XLA launches it preferring shared memory (228 KiB, by ncu), which
+    leaves 28 KiB of L1 for this kernel's loads; the same program launched by the triton package runs at 93-95% with the
     driver's default split and at 85-86% with XLA's (bench/kda_decode_torch.py)."""
     b, h, _, dv = state.shape
     block_v = min(block_v, dv)

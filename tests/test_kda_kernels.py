@@ -293,15 +293,14 @@ def test_fused_triton_decode_step_at_the_mosaic_head_dims(b, h, d, block_v):
         assert relative_error(a, r) < TOLERANCE, name
 
 
-TOKEN_SIDE = ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits")
-
-
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("b, h, d", [(2, 3, 32), (1, 1, 128)])
 def test_the_two_kernel_references_compose_to_the_step_reference(lower_bound, b, h, d):
     """The token vectors' and the update's references, one after the other, give the step's."""
     x = kda.random_decode_inputs(jax.random.key(d + h + 7), b, h, d)
-    rows, cols, conv_state = kda.decode_token_vectors_reference(*(x[n] for n in TOKEN_SIDE), lower_bound=lower_bound)
+    rows, cols, conv_state = kda.decode_token_vectors_reference(
+        *(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound
+    )
     o, state = kda.decode_update_reference(rows, cols, x["state"], out_dtype=jnp.float32)
     o_want, conv_want, state_want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
     np.testing.assert_array_equal(conv_state, conv_want)
@@ -314,8 +313,8 @@ def test_the_two_kernel_references_compose_to_the_step_reference(lower_bound, b,
 def test_decode_token_vectors_match_the_reference(lower_bound, b, h, d):
     """`kda_triton.token_vectors`: conv, norms, gate and beta against their reference."""
     x = kda.random_decode_inputs(jax.random.key(d + h), b, h, d)
-    got = kda_triton.token_vectors(*(x[n] for n in TOKEN_SIDE), lower_bound=lower_bound, interpret=True)
-    want = kda.decode_token_vectors_reference(*(x[n] for n in TOKEN_SIDE), lower_bound=lower_bound)
+    got = kda_triton.token_vectors(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound, interpret=True)
+    want = kda.decode_token_vectors_reference(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound)
     np.testing.assert_array_equal(got[2], want[2])
     for name, a, r in zip(["rows", "cols"], got[:2], want[:2]):
         assert a.shape == r.shape and a.dtype == r.dtype, name
@@ -327,7 +326,7 @@ def test_decode_update_matches_the_reference(b, h, d, block_v):
     """`kda_decode.update_state` (the Mosaic GPU kernel) against its reference, the state updated in
     place under jit with donation."""
     x = kda.random_decode_inputs(jax.random.key(b * h + d), b, h, d)
-    rows, cols, _ = kda.decode_token_vectors_reference(*(x[n] for n in TOKEN_SIDE), lower_bound=-5.0)
+    rows, cols, _ = kda.decode_token_vectors_reference(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=-5.0)
     update = jax.jit(
         functools.partial(kda_decode.update_state, out_dtype=jnp.float32, block_v=block_v, interpret=True),
         donate_argnums=2,
