@@ -50,6 +50,9 @@ CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns 
     # columns per wgmma (less SMEM read per multiply-add); clusters of a head's two blocks in one wave
     "v64s1": {"block_v": 64, "slots": 1},
     "v64s1mc0": {"block_v": 64, "slots": 1, "multicast": False},
+    # 64 value columns, the key tiles in two slots, u and A_qk u in one, each refetched once in registers
+    "v64k2": {"block_v": 64, "slots": 2, "value_slots": 1},
+    "v64k2mc0": {"block_v": 64, "slots": 2, "value_slots": 1, "multicast": False},
 }
 DECODE_VARIANTS = "64x4,m32"  # see --decode-variants
 ROWS = []  # (section, name, shape, error, ms, note)

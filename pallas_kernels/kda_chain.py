@@ -47,17 +47,26 @@ def _chain_kernel(
     w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
     o_ref, s_ref,
     w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, own,
-    arrived, consumed,
+    arrived, consumed, values_arrived,
     *, n_chunks, o_products, multicast,
 ):
     c = CHUNK
     vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
-    slots, _, block_v = u_hi_s.shape
+    slots, value_slots, (_, block_v) = w_s.shape[0], u_hi_s.shape[0], u_hi_s.shape[1:]
+    # One slot of u and A_qk u under two of the key tiles: each is fetched anew as soon as it is in
+    # registers, a step ahead of its use, on a barrier of its own (values_arrived: u, A_qk u).
+    early_values = value_slots < slots
     dk = w_s.shape[-1]
     cols = pl.ds(vb * block_v, block_v)
     # With one slot, v_new's halves take u's buffers (u is in registers by then) and o takes A_qk u's
     # hi buffer, so that the kernel fits two CTAs per SM.
     v_halves, o_s = own if own else ((u_hi_s.at[0], u_lo_s.at[0]), au_hi_s.at[0])
+
+    u_pairs, au_pairs = ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s)), ((au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s))
+
+    def fetch_values(n, slot, pairs, barrier):
+        for src, dst in pairs:
+            plgpu.copy_gmem_to_smem(src.at[b, h, pl.ds(n * c, c), cols], dst.at[slot], barrier)
 
     def fetch(n, slot):
         tokens = pl.ds(n * c, c)
@@ -68,10 +77,20 @@ def _chain_kernel(
             plgpu.copy_gmem_to_smem(
                 src.at[b, h, tokens], dst.at[slot], arrived.at[slot], collective_axes="v" if multicast else None
             )
-        for src, dst in ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s), (au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s)):
-            plgpu.copy_gmem_to_smem(src.at[b, h, tokens, cols], dst.at[slot], arrived.at[slot])
+        if not early_values:
+            fetch_values(n, slot, u_pairs + au_pairs, arrived.at[slot])
 
     fetch(0, 0)
+    if early_values:
+        fetch_values(0, 0, u_pairs, values_arrived.at[0])
+        fetch_values(0, 0, au_pairs, values_arrived.at[1])
+
+    def refetch_values(n, pairs, barrier):
+        """Chunk n + 1's u (or A_qk u, by `barrier` 0 or 1) into the buffer that chunk n's has just
+        left for registers."""
+        if early_values:
+            plgpu.commit_smem()  # every thread has read them
+            pl.when(n + 1 < n_chunks)(lambda: fetch_values(n + 1, 0, pairs, values_arrived.at[barrier]))
 
     def step(n, s):
         slot = lax.rem(n, slots)
@@ -92,7 +111,12 @@ def _chain_kernel(
         s_halves[1][...] = s_lo
         plgpu.commit_smem()
         w = w_s.at[slot]
-        v_new = _pair_value(u_hi_s.at[slot], u_lo_s.at[slot]) - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
+        value_slot = lax.rem(n, value_slots)
+        if early_values:
+            plgpu.barrier_wait(values_arrived.at[0])
+        u = _pair_value(u_hi_s.at[value_slot], u_lo_s.at[value_slot])
+        v_new = u - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
+        refetch_values(n, u_pairs, 0)
         v_hi, v_lo = _split(v_new)
         if slots == 1:  # v_new takes u's buffers: every warp has read u
             plgpu.commit_smem()
@@ -103,7 +127,10 @@ def _chain_kernel(
         o_pairs = [(qw_hi, s_halves[0]), (qw_hi, s_halves[1])][:o_products]
         if o_products == 3:
             o_pairs.append((qw_lo_s.at[slot], s_halves[0]))
-        o = _pair_value(au_hi_s.at[slot], au_lo_s.at[slot]) + _matmul((c, block_v), o_pairs)
+        if early_values:
+            plgpu.barrier_wait(values_arrived.at[1])
+        o = _pair_value(au_hi_s.at[value_slot], au_lo_s.at[value_slot]) + _matmul((c, block_v), o_pairs)
+        refetch_values(n, au_pairs, 1)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o is read
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
@@ -140,12 +167,14 @@ def default_o_products(out_dtype):
     return 2 if jnp.dtype(out_dtype) == jnp.bfloat16 else 3
 
 
-def _check_options(dv, block_v, out_dtype, slots, o_products, multicast):
+def _check_options(dv, block_v, out_dtype, slots, value_slots, o_products, multicast):
     """The chain's options, checked before any kernel of the scan runs (block_v already capped at dv)."""
     if o_products not in (1, 2, 3):
         raise ValueError(f"o_products must be 1, 2 or 3, got {o_products}")
     if slots not in (1, 2):
         raise ValueError(f"slots must be 1 or 2, got {slots}")
+    if value_slots not in (1, slots):
+        raise ValueError(f"value_slots must be 1 or slots = {slots}, got {value_slots}")
     if multicast and dv // block_v not in CLUSTER_BLOCKS:
         raise ValueError(f"multicast needs 2 to 8 value blocks per head (a cluster), got dv / block_v = {dv // block_v}")
     if slots == 1 and jnp.dtype(out_dtype) != jnp.bfloat16:
@@ -154,13 +183,15 @@ def _check_options(dv, block_v, out_dtype, slots, o_products, multicast):
 
 def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
-    slots=2, o_products=None, multicast=False, interpret=False,
+    slots=2, value_slots=None, o_products=None, multicast=False, interpret=False,
 ):
     """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
     outputs and the fp32 initial state [B, H, dk, dv]. `slots`: 2 brings each chunk's tiles in while
     the previous chunk is worked on (one CTA per SM at dk = 128: 225,280 B of SMEM by the lowering, or
     192,512 B with two o products); 1 brings them in after it, in 114,688 B (98,304 B) so that two
-    CTAs share an SM (bf16 o only). `o_products`: q_w S as 3 bf16 products
+    CTAs share an SM (bf16 o only). `value_slots` (default: `slots`) 1 under two slots keeps the
+    key tiles double-buffered but u and A_qk u in one buffer each, fetched anew as soon as they are in
+    registers (with 64 value columns: 221 KB rather than 248 KB). `o_products`: q_w S as 3 bf16 products
     (hi.hi + hi.lo + lo.hi, as precise as fp32 work to about 1e-5), 2 (q_w's hi half times S's halves)
     or 1 (hi.hi); None: 3 for an fp32 o, 2 for a bf16 one (whose rounding is the larger error: on the
     H200 the output error stays at the bf16 floor and the scan is 5-7% faster). The state's products
@@ -173,7 +204,8 @@ def chain(
     dv = u_hi.shape[-1]
     block_v = min(block_v, dv)
     c = CHUNK
-    _check_options(dv, block_v, out_dtype, slots, o_products, multicast)
+    value_slots = slots if value_slots is None else value_slots
+    _check_options(dv, block_v, out_dtype, slots, value_slots, o_products, multicast)
     if o_products == 3 and qw_lo is None:
         raise ValueError("o_products=3 multiplies q_w's lo half: qw_lo must be an array, got None")
     own = () if slots == 1 else (
@@ -192,11 +224,12 @@ def chain(
             *(_key_smem((slots, c, dk), block_v) for _ in range(2)),  # w, q_w hi
             _key_smem((slots, c, dk), block_v) if o_products == 3 else (),  # q_w lo
             *(_key_smem((slots, c, dk), block_v) for _ in range(2)),  # k exp(G_last - G) hi/lo
-            *(_key_smem((slots, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
+            *(_key_smem((value_slots, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
             tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
             own,
-            plgpu.Barrier(num_arrivals=9 if o_products == 3 else 8, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=(5 if o_products == 3 else 4) + 4 * (value_slots == slots), num_barriers=slots),
             plgpu.ClusterBarrier(collective_axes=("v",), num_barriers=slots) if multicast else (),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2) if value_slots < slots else (),  # u, A_qk u
         ),
         # No automatic barriers (Mosaic GPU puts one before every TMA fetch and on both sides of every
         # register store to SMEM): the kernel's own commit_smem and wait_smem_to_gmem order each reuse
@@ -232,8 +265,8 @@ def scan_arg_shapes(b, t, h, d):
 
 
 def chunk_scan(
-    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, o_products=None,
-    multicast=None, interpret=False,
+    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, value_slots=None,
+    o_products=None, multicast=None, interpret=False,
 ):
     """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
     kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
@@ -242,7 +275,7 @@ def chunk_scan(
     when the chain's grid has more CTAs than the GPU has SMs and o is bf16, else two; `multicast`
     None picks clusters when the grid fits on the SMs in one wave (on the H200 multicast took the
     chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it 3-15% slower over several waves);
-    `o_products` as in `chain`; q_w's lo half is computed only for three."""
+    `value_slots` and `o_products` as in `chain`; q_w's lo half is computed only for three."""
     o_products = default_o_products(out_dtype) if o_products is None else o_products
     b, _, h, dv = v.shape
     block_v = min(block_v, dv)
@@ -252,11 +285,12 @@ def chunk_scan(
         slots = 2 if one_wave or jnp.dtype(out_dtype) != jnp.bfloat16 else 1
     if multicast is None:
         multicast = one_wave and value_blocks in CLUSTER_BLOCKS
-    _check_options(dv, block_v, out_dtype, slots, o_products, multicast)  # before the intra kernel runs
+    value_slots = slots if value_slots is None else value_slots
+    _check_options(dv, block_v, out_dtype, slots, value_slots, o_products, multicast)  # before the intra kernel runs
     parts = kda_intra.intra(
         q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, qw_lo=o_products == 3, interpret=interpret
     )
     return chain(
-        *parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, o_products=o_products,
-        multicast=multicast, interpret=interpret,
+        *parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, value_slots=value_slots,
+        o_products=o_products, multicast=multicast, interpret=interpret,
     )

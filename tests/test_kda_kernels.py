@@ -210,6 +210,32 @@ def test_chain_multicast_refuses_a_single_value_block():
         kda_chain.chain(*parts, out_dtype=jnp.bfloat16, block_v=64, multicast=True)
 
 
+@pytest.mark.parametrize("block_v, multicast", [(32, True), (64, False)])
+def test_chain_with_one_value_slot_matches_two_slots(block_v, multicast):
+    """The key tiles in two slots, u and A_qk u in one each (fetched anew once in registers): what
+    the two-slot form computes, bit for bit at the same block width (at 64 columns the wgmmas sum in
+    another order: within 1e-5 of 32 columns)."""
+    b, t, h, d = 2, 200, 2, 128
+    q, k, v, g, beta = scan_inputs(13, b, t, h, d)
+    s0 = jax.random.normal(jax.random.key(13), (b, h, d, d))
+    lengths = jnp.array([t, t - 61], jnp.int32)
+    args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, lengths)
+    run = functools.partial(kda_chain.chunk_scan, *args, out_dtype=jnp.bfloat16, multicast=multicast, interpret=True)
+    o1, s1 = run(block_v=block_v, slots=2, value_slots=1)
+    o2, s2 = run(block_v=32, slots=2)
+    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    o1, o2 = (np.asarray(o[:, :t], np.float32)[valid] for o in (o1, o2))
+    if block_v == 32:
+        np.testing.assert_array_equal(o1, o2)
+        np.testing.assert_array_equal(s1, s2)
+    else:
+        assert relative_error(s1, s2) < 1e-5
+        assert np.abs(o1 - o2).max() <= 2**-7 * np.abs(o2).max()  # a bf16 rounding apart at most
+    o_ref, s_ref = kda.kda_chunk_scan_reference(q, k, v, g, beta, s0, lengths=lengths)
+    assert relative_error(o1, np.asarray(o_ref)[valid]) < 4e-3  # bf16 o
+    assert relative_error(s1, s_ref) < 1e-4
+
+
 def test_chain_one_slot_refuses_an_fp32_output():
     parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
     with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
@@ -220,6 +246,7 @@ def test_chain_one_slot_refuses_an_fp32_output():
     "option, match",
     [
         (dict(slots=3), "slots must be 1 or 2"),
+        (dict(slots=1, value_slots=2), "value_slots must be 1 or slots = 1"),
         (dict(o_products=4), "o_products must be 1, 2 or 3"),
         (dict(multicast=True, block_v=64), "multicast needs 2 to 8 value blocks"),
         (dict(slots=1, out_dtype=jnp.float32), "out_dtype must be bfloat16"),
