@@ -36,8 +36,8 @@ from pallas_kernels import kda, kda_decode
 _F32 = jnp.float32
 
 
-def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, interpret=False):
-    """rows [B, H, 3, dk] (q, k, decay), cols [B, H, 3, dv] (v, beta, q . k), state [B, H, dk, dv] fp32:
+def state_update(vectors, state, *, block_v=64, stages=3, ctas=132, interpret=False):
+    """vectors [B, H, 4, d] (q, sqrt(beta) k, decay, sqrt(beta) v), state [B, H, d, d] fp32:
     (o [B, H, dv] bf16, the new state), by `ctas` persistent CTAs with `stages` slabs in flight, each
     slab updated by `kda_decode.update_slab` (the model's kernel, one CTA per slab, is this with
     one stage and a CTA per slab, the state updated in place)."""
@@ -45,7 +45,7 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, interpret
     nv = dv // block_v
     slabs = b * h * nv
 
-    def kernel(rows_ref, cols_ref, s_ref, o_ref, s_out_ref, s_buf, rows_buf, cols_buf, o_buf, arrived):
+    def kernel(vectors_ref, s_ref, o_ref, s_out_ref, s_buf, rows_buf, v_buf, o_buf, arrived):
         cta = lax.axis_index("cta")
         steps = (slabs - cta + ctas - 1) // ctas
 
@@ -57,8 +57,8 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, interpret
             bi, hi, cs = where(i)
             slot = i % stages
             plgpu.copy_gmem_to_smem(s_ref.at[bi, hi, :, cs], s_buf.at[slot], arrived.at[slot])
-            plgpu.copy_gmem_to_smem(rows_ref.at[bi, hi], rows_buf.at[slot], arrived.at[slot])
-            plgpu.copy_gmem_to_smem(cols_ref.at[bi, hi, :, cs], cols_buf.at[slot], arrived.at[slot])
+            plgpu.copy_gmem_to_smem(vectors_ref.at[bi, hi, pl.ds(0, 3)], rows_buf.at[slot], arrived.at[slot])
+            plgpu.copy_gmem_to_smem(vectors_ref.at[bi, hi, 3, cs], v_buf.at[slot], arrived.at[slot])
 
         for i in range(stages):
             pl.when(i < steps)(functools.partial(fetch, i))
@@ -67,7 +67,7 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, interpret
         def _(i):
             slot = i % stages
             plgpu.barrier_wait(arrived.at[slot])
-            kda_decode.update_slab(s_buf.at[slot], rows_buf.at[slot], cols_buf.at[slot], o_buf.at[slot])
+            kda_decode.update_slab(s_buf.at[slot], rows_buf.at[slot], v_buf.at[slot], o_buf.at[slot])
             plgpu.commit_smem()
             bi, hi, cs = where(i)
             plgpu.copy_smem_to_gmem(s_buf.at[slot], s_out_ref.at[bi, hi, :, cs], commit_group=False)
@@ -86,14 +86,14 @@ def state_update(rows, cols, state, *, block_v=64, stages=3, ctas=132, interpret
         scratch_types=(
             plgpu.SMEM((stages, dk, block_v), _F32, transforms=kda_decode.SLAB_TRANSFORMS),
             plgpu.SMEM((stages, 3, dk), _F32),
-            plgpu.SMEM((stages, 3, block_v), _F32),
+            plgpu.SMEM((stages, block_v), _F32),
             plgpu.SMEM((stages, block_v), jnp.bfloat16),
             plgpu.Barrier(num_arrivals=3, num_barriers=stages),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="kda_decode_mosaic_pipelined",
-    )(rows, cols, state)
+    )(vectors, state)
 
 
 def main():
@@ -105,19 +105,19 @@ def main():
     args = parser.parse_args()
     h, d = 64, 128
     for b, x, ref, roof in parts.decode_cases(args.batches, h, d):
-        rows, cols, _ = jax.jit(functools.partial(kda.decode_token_vectors_reference, lower_bound=-5.0))(
+        vectors, _ = jax.jit(functools.partial(kda.decode_token_vectors_reference, lower_bound=-5.0))(
             *(x[n] for n in kda.DECODE_TOKEN_INPUTS)
         )
         for config in args.configs.split(","):
             if config == "model":
                 update = functools.partial(kda_decode.update_state, out_dtype=jnp.bfloat16)
-                call = jax.jit(lambda state, update=update: update(rows, cols, state), donate_argnums=0)
+                call = jax.jit(lambda state, update=update: update(vectors, state), donate_argnums=0)
                 name, kernel = f"B={b} state only, kda_decode.update_state (in place)", "kda_decode_update"
             else:
                 block_v, stages, ctas = (int(n) for n in config.split("x"))
                 ctas = ctas or b * h * d // block_v
                 call = jax.jit(functools.partial(
-                    state_update, rows, cols, block_v=block_v, stages=stages, ctas=ctas
+                    state_update, vectors, block_v=block_v, stages=stages, ctas=ctas
                 ))
                 name = f"B={b} state only, Mosaic GPU, block_v={block_v} stages={stages} CTAs={ctas}"
                 kernel = "kda_decode_mosaic"

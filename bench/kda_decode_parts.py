@@ -50,12 +50,14 @@ def state_only(q, k, v, decay, beta, state, *, block_v, num_warps):
 
 
 def token_vectors_of(x, *, lower_bound):
-    """q (normalised and scaled), k (normalised), v, decay and beta in fp32, [B, H, d] and [B, H],
-    and the new conv state, of a `kda.random_decode_inputs` dict: the reference's token side."""
-    rows, cols, conv_state = kda.decode_token_vectors_reference(
+    """q (normalised and scaled), k, v, decay and beta in fp32, [B, H, d] and [B, H], and the new conv
+    state, of a `kda.random_decode_inputs` dict: the reference's token side, beta folded into k and v
+    (k = sqrt(beta) k / |k|, v = sqrt(beta) v, beta = 1: the same delta rule)."""
+    vectors, conv_state = kda.decode_token_vectors_reference(
         *(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound
     )
-    return rows[:, :, 0], rows[:, :, 1], cols[:, :, 0], rows[:, :, 2], cols[:, :, 1, 0], conv_state
+    q, k, decay, v = (vectors[:, :, i] for i in range(4))
+    return q, k, v, decay, jnp.ones(q.shape[:2], jnp.float32), conv_state
 
 
 def decode_cases(batches, h, d):

@@ -206,26 +206,27 @@ def kda_decode_step_reference(qkv, conv_state, conv_weight, f, dt_bias, a_log, b
 
 def decode_token_vectors_reference(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, *, lower_bound):
     """The decode step's token side as the two-kernel step hands it on (`kda_triton.token_vectors`'
-    oracle): (rows [B, H, 3, dk] fp32: q normalised and scaled by dk^-0.5, k normalised, the decay
-    exp(g); cols [B, H, 3, dv] fp32: v, beta and q . k, the scalars repeated over the value columns;
-    the new conv state). Arguments as `kda_decode_step_reference`."""
+    oracle): (vectors [B, H, 4, d] fp32: q normalised and scaled by dk^-0.5, sqrt(beta) k with k
+    normalised, the decay exp(g), sqrt(beta) v; the new conv state). Arguments as
+    `kda_decode_step_reference`, dk = dv = d.
+
+    The delta rule S <- D S + beta k (v - k^T D S)^T is D S + k' (v' - k'^T D S)^T in k' = sqrt(beta) k
+    and v' = sqrt(beta) v, so beta takes no vector of its own."""
     heads = a_log.shape[0]
     y, conv_state = causal_short_conv(qkv[:, None], conv_weight, conv_state)
     q, k, v = (y[:, 0, i].reshape(y.shape[0], heads, -1).astype(jnp.float32) for i in range(3))
     q, k = l2_normalise(q) * q.shape[-1] ** -0.5, l2_normalise(k)
     decay = jnp.exp(forget_gate(f, dt_bias, a_log, lower_bound=lower_bound))
-    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
-    per_column = (jnp.broadcast_to(x[..., None], v.shape) for x in (beta, jnp.sum(q * k, axis=-1)))
-    return jnp.stack([q, k, decay], axis=2), jnp.stack([v, *per_column], axis=2), conv_state
+    root_beta = jnp.sqrt(jax.nn.sigmoid(beta_logits.astype(jnp.float32)))[..., None]
+    return jnp.stack([q, root_beta * k, decay, root_beta * v], axis=2), conv_state
 
 
-def decode_update_reference(rows, cols, state, *, out_dtype):
-    """One delta-rule step on the state from `decode_token_vectors_reference`'s rows and cols
+def decode_update_reference(vectors, state, *, out_dtype):
+    """One delta-rule step on the state from `decode_token_vectors_reference`'s vectors
     (`kda_decode.update_state`'s oracle): (o [B, H, dv] in out_dtype, the new state fp32)."""
-    q, k, decay = (rows[:, :, i] for i in range(3))
-    v, beta = cols[:, :, 0], cols[:, :, 1]
+    q, k, decay, v = (vectors[:, :, i] for i in range(4))
     state = state * decay[..., None]
-    delta = (v - jnp.einsum("bhk,bhkv->bhv", k, state, precision=HIGHEST)) * beta
+    delta = v - jnp.einsum("bhk,bhkv->bhv", k, state, precision=HIGHEST)
     state = state + k[..., None] * delta[..., None, :]
     return jnp.einsum("bhk,bhkv->bhv", q, state, precision=HIGHEST).astype(out_dtype), state
 

@@ -39,58 +39,55 @@ _ROW, _COL = _SLAB.reduce(1), _SLAB.reduce(0)
 SLAB_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def update_slab(s_smem, rows_smem, cols_smem, o_smem):
+def update_slab(s_smem, rows_smem, v_smem, o_smem):
     """The delta rule on a [dk, block_v] slab in shared memory, written back there; o's block_v
-    columns to o_smem. rows_smem [3, dk]: q (normalised, scaled), k (normalised), decay; cols_smem
-    [3, block_v]: v, beta, q . k (the scalars repeated).
+    columns to o_smem. rows_smem [3, dk]: q (normalised, scaled), k' = sqrt(beta) k (k normalised),
+    decay; v_smem [block_v]: v' = sqrt(beta) v (`kda.decode_token_vectors_reference`).
 
-    With D = diag(decay): predicted = k^T D S and o = q^T D S + (q . k) delta, two independent
-    reductions over the old state, then S <- D S + k delta^T."""
+    With D = diag(decay): S <- D S + k' (v' - k'^T D S)^T, then o = q^T S."""
     dk, block_v = s_smem.shape
     s = plgpu.load(s_smem, layout=_SLAB)
     q, k, decay = (plgpu.load(rows_smem.at[i], layout=_ROW, optimized=False) for i in range(3))
-    v, beta, qk = (plgpu.load(cols_smem.at[i], layout=_COL, optimized=False) for i in range(3))
+    v = plgpu.load(v_smem, layout=_COL, optimized=False)
 
     def rows_of(x):
         return lax.broadcast_in_dim(x, (dk, block_v), [0])
 
-    predicted = jnp.sum(rows_of(k * decay) * s, axis=0)
-    out = jnp.sum(rows_of(q * decay) * s, axis=0)
-    delta = (v - predicted) * beta
-    s_smem[...] = s * rows_of(decay) + rows_of(k) * lax.broadcast_in_dim(delta, (dk, block_v), [1])
-    o_smem[...] = (out + qk * delta).astype(o_smem.dtype)
+    delta = v - jnp.sum(rows_of(k * decay) * s, axis=0)
+    s = s * rows_of(decay) + rows_of(k) * lax.broadcast_in_dim(delta, (dk, block_v), [1])
+    s_smem[...] = s
+    o_smem[...] = jnp.sum(rows_of(q) * s, axis=0).astype(o_smem.dtype)
 
 
-def _update_kernel(rows_ref, cols_ref, s_ref, o_ref, s_smem, rows_smem, cols_smem, o_smem, arrived):
+def _update_kernel(vectors_ref, s_ref, o_ref, s_smem, rows_smem, v_smem, o_smem, arrived):
     vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
     block_v = s_smem.shape[1]
     cols = pl.ds(vb * block_v, block_v)
     plgpu.copy_gmem_to_smem(s_ref.at[b, h, :, cols], s_smem, arrived)
-    plgpu.copy_gmem_to_smem(rows_ref.at[b, h], rows_smem, arrived)
-    plgpu.copy_gmem_to_smem(cols_ref.at[b, h, :, cols], cols_smem, arrived)
+    plgpu.copy_gmem_to_smem(vectors_ref.at[b, h, pl.ds(0, 3)], rows_smem, arrived)
+    plgpu.copy_gmem_to_smem(vectors_ref.at[b, h, 3, cols], v_smem, arrived)
     plgpu.barrier_wait(arrived)
-    update_slab(s_smem, rows_smem, cols_smem, o_smem)
+    update_slab(s_smem, rows_smem, v_smem, o_smem)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(s_smem, s_ref.at[b, h, :, cols])
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, cols])
     plgpu.wait_smem_to_gmem(0)
 
 
-def update_state(rows, cols, state, *, out_dtype, block_v=BLOCK_V, interpret=False):
-    """rows [B, H, 3, dk] and cols [B, H, 3, dv] fp32 from `kda_triton.token_vectors`, state
-    [B, H, dk, dv] fp32 (dk in HEAD_DIMS, dv a multiple of block_v in {32, 64}): (o [B, H, dv] in
-    out_dtype, the new state). The state is updated in place (donate it under jit, or XLA copies
-    it first). One CTA per slab, the value block varying fastest in launch order, then the head:
-    CTAs resident together stream one contiguous stretch of the state (with the batch fastest, 4 MiB
-    apart, the step ran at 67-74% of the roofline on the H200 rather than the probe's 92-93%). The
-    oracle is `kda.decode_update_reference`."""
+def update_state(vectors, state, *, out_dtype, block_v=BLOCK_V, interpret=False):
+    """vectors [B, H, 4, d] fp32 from `kda_triton.token_vectors` (q, sqrt(beta) k, decay,
+    sqrt(beta) v), state [B, H, d, d] fp32 (d in HEAD_DIMS, a multiple of block_v in {32, 64}):
+    (o [B, H, d] in out_dtype, the new state). The state is updated in place (donate it under jit,
+    or XLA copies it first). One CTA per slab, the value block varying fastest in launch order, then
+    the head: CTAs resident together stream one contiguous stretch of the state (with the batch
+    fastest, 4 MiB apart, the step ran at 67-74% of the roofline on the H200 rather than the probe's
+    92-93%). The oracle is `kda.decode_update_reference`."""
     b, h, dk, dv = state.shape
-    if dk not in HEAD_DIMS or block_v not in (32, 64) or dv % block_v:
-        raise ValueError(f"dk must be one of {HEAD_DIMS} and dv a multiple of block_v in (32, 64); got"
-                         f" dk = {dk}, dv = {dv}, block_v = {block_v}")
-    for name, x, width in (("rows", rows, dk), ("cols", cols, dv)):
-        if x.shape != (b, h, 3, width) or x.dtype != _F32:
-            raise ValueError(f"{name} must be float32 [{b}, {h}, 3, {width}], got {x.dtype} {list(x.shape)}")
+    if dk not in HEAD_DIMS or dv != dk or block_v not in (32, 64) or dv % block_v:
+        raise ValueError(f"the state must be [B, H, d, d] with d one of {HEAD_DIMS}, a multiple of block_v in"
+                         f" (32, 64); got dk = {dk}, dv = {dv}, block_v = {block_v}")
+    if vectors.shape != (b, h, 4, dk) or vectors.dtype != _F32:
+        raise ValueError(f"vectors must be float32 [{b}, {h}, 4, {dk}], got {vectors.dtype} {list(vectors.shape)}")
     kernel = plgpu.kernel(
         _update_kernel,
         out_type=jax.ShapeDtypeStruct((b, h, dv), out_dtype),
@@ -99,7 +96,7 @@ def update_state(rows, cols, state, *, out_dtype, block_v=BLOCK_V, interpret=Fal
         scratch_types=(
             plgpu.SMEM((dk, block_v), _F32, transforms=SLAB_TRANSFORMS),
             plgpu.SMEM((3, dk), _F32),
-            plgpu.SMEM((3, block_v), _F32),
+            plgpu.SMEM((block_v,), _F32),
             plgpu.SMEM((block_v,), out_dtype),
             plgpu.Barrier(num_arrivals=3),
         ),
@@ -109,7 +106,7 @@ def update_state(rows, cols, state, *, out_dtype, block_v=BLOCK_V, interpret=Fal
     )
     # The state goes in as a mutable Ref: the kernel writes each slab back where it read it.
     state = jax.new_ref(state)
-    o = kernel(rows, cols, state)
+    o = kernel(vectors, state)
     return o, jax.freeze(state)
 
 
@@ -119,9 +116,9 @@ def decode_step(
 ):
     """The one-token KDA step in two kernels: `kda_triton.token_vectors`, then `update_state`. Shapes
     and results as `kda.kda_decode_step` (checked there)."""
-    rows, cols, conv_state = kda_triton.token_vectors(
+    vectors, conv_state = kda_triton.token_vectors(
         qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, lower_bound=lower_bound, num_warps=token_warps,
         interpret=interpret,
     )
-    o, state = update_state(rows, cols, state, out_dtype=qkv.dtype, block_v=block_v, interpret=interpret)
+    o, state = update_state(vectors, state, out_dtype=qkv.dtype, block_v=block_v, interpret=interpret)
     return o, conv_state, state

@@ -120,32 +120,27 @@ def decode_step(
 
 
 def _token_kernel(
-    qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref, rows_ref, cols_ref, conv_out_ref, *,
-    lower_bound,
+    qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref, vectors_ref, conv_out_ref, *, lower_bound,
 ):
     h, b = pl.program_id(0), pl.program_id(1)
-    dk, dv = rows_ref.shape[-1], cols_ref.shape[-1]
+    d = vectors_ref.shape[-1]
+    heads = pl.ds(h * d, d)
     conv_silu = functools.partial(_conv_silu, qkv_ref, conv_ref, weight_ref, conv_out_ref, b)
-    q, k = (conv_silu(part, pl.ds(h * dk, dk)) for part in range(2))
-    v = conv_silu(2, pl.ds(h * dv, dv))
-    decay, beta = _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, pl.ds(h * dk, dk), lower_bound)
-    q = q * (dk**-0.5 * _norm_scale(q))
-    k = k * _norm_scale(k)
-    rows_ref[b, h, 0, :] = q
-    rows_ref[b, h, 1, :] = k
-    rows_ref[b, h, 2, :] = decay
-    cols_ref[b, h, 0, :] = v
-    cols_ref[b, h, 1, :] = jnp.full((dv,), beta)
-    cols_ref[b, h, 2, :] = jnp.full((dv,), jnp.sum(q * k))
+    q, k, v = (conv_silu(part, heads) for part in range(3))
+    decay, beta = _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, heads, lower_bound)
+    root_beta = jnp.sqrt(beta)
+    vectors_ref[b, h, 0, :] = q * (d**-0.5 * _norm_scale(q))
+    vectors_ref[b, h, 1, :] = k * (root_beta * _norm_scale(k))
+    vectors_ref[b, h, 2, :] = decay
+    vectors_ref[b, h, 3, :] = v * root_beta
 
 
 def token_vectors(
     qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, *, lower_bound, num_warps=4, interpret=False,
 ):
-    """The decode step's token side, one program per head: (rows [B, H, 3, dk] fp32: q normalised and
-    scaled, k normalised, the decay exp(g); cols [B, H, 3, dv] fp32: v, beta and q . k, the scalars
-    repeated over the value columns; the new conv state). Shapes as `kda.kda_decode_step`, dk = dv;
-    the oracle is `kda.decode_token_vectors_reference`."""
+    """The decode step's token side, one program per head: (vectors [B, H, 4, d] fp32: q normalised
+    and scaled, sqrt(beta) k with k normalised, the decay exp(g), sqrt(beta) v; the new conv state).
+    Shapes as `kda.kda_decode_step`, dk = dv = d; the oracle is `kda.decode_token_vectors_reference`."""
     b, _, c = qkv.shape
     h = a_log.shape[0]
     d = c // h
@@ -153,8 +148,7 @@ def token_vectors(
         functools.partial(_token_kernel, lower_bound=lower_bound),
         grid=(h, b),
         out_shape=[
-            jax.ShapeDtypeStruct((b, h, 3, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, h, 3, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, 4, d), jnp.float32),
             jax.ShapeDtypeStruct(conv_state.shape, qkv.dtype),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),

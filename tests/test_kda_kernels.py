@@ -325,10 +325,9 @@ def test_fused_triton_decode_step_at_the_mosaic_head_dims(b, h, d, block_v):
 def test_the_two_kernel_references_compose_to_the_step_reference(lower_bound, b, h, d):
     """The token vectors' and the update's references, one after the other, give the step's."""
     x = kda.random_decode_inputs(jax.random.key(d + h + 7), b, h, d)
-    rows, cols, conv_state = kda.decode_token_vectors_reference(
-        *(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound
-    )
-    o, state = kda.decode_update_reference(rows, cols, x["state"], out_dtype=jnp.float32)
+    token_inputs = (x[n] for n in kda.DECODE_TOKEN_INPUTS)
+    vectors, conv_state = kda.decode_token_vectors_reference(*token_inputs, lower_bound=lower_bound)
+    o, state = kda.decode_update_reference(vectors, x["state"], out_dtype=jnp.float32)
     o_want, conv_want, state_want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
     np.testing.assert_array_equal(conv_state, conv_want)
     assert relative_error(state, state_want) < 1e-5
@@ -342,10 +341,10 @@ def test_decode_token_vectors_match_the_reference(lower_bound, b, h, d):
     x = kda.random_decode_inputs(jax.random.key(d + h), b, h, d)
     got = kda_triton.token_vectors(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound, interpret=True)
     want = kda.decode_token_vectors_reference(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound)
-    np.testing.assert_array_equal(got[2], want[2])
-    for name, a, r in zip(["rows", "cols"], got[:2], want[:2]):
-        assert a.shape == r.shape and a.dtype == r.dtype, name
-        assert relative_error(a, r) < 1e-5, name
+    np.testing.assert_array_equal(got[1], want[1])
+    assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
+    for i, name in enumerate(["q", "sqrt(beta) k", "decay", "sqrt(beta) v"]):
+        assert relative_error(got[0][:, :, i], want[0][:, :, i]) < 1e-5, name
 
 
 @pytest.mark.parametrize("b, h, d, block_v", [(2, 3, 64, 32), (1, 1, 128, 64), (3, 1, 128, 32)])
@@ -353,28 +352,30 @@ def test_decode_update_matches_the_reference(b, h, d, block_v):
     """`kda_decode.update_state` (the Mosaic GPU kernel) against its reference, the state updated in
     place under jit with donation."""
     x = kda.random_decode_inputs(jax.random.key(b * h + d), b, h, d)
-    rows, cols, _ = kda.decode_token_vectors_reference(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=-5.0)
+    vectors, _ = kda.decode_token_vectors_reference(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=-5.0)
     update = jax.jit(
         functools.partial(kda_decode.update_state, out_dtype=jnp.float32, block_v=block_v, interpret=True),
-        donate_argnums=2,
+        donate_argnums=1,
     )
-    o, state = update(rows, cols, x["state"] + 0)
-    o_want, state_want = kda.decode_update_reference(rows, cols, x["state"], out_dtype=jnp.float32)
+    o, state = update(vectors, x["state"] + 0)
+    o_want, state_want = kda.decode_update_reference(vectors, x["state"], out_dtype=jnp.float32)
     assert relative_error(o, o_want) < 1e-5
     assert relative_error(state, state_want) < 1e-5
 
 
 def test_decode_update_refuses_unsupported_shapes():
-    rows, cols, state = jnp.zeros((1, 1, 3, 32)), jnp.zeros((1, 1, 3, 32)), jnp.zeros((1, 1, 32, 32))
-    with pytest.raises(ValueError, match="dk must be one of"):
-        kda_decode.update_state(rows, cols, state, out_dtype=jnp.bfloat16)
+    vectors = jnp.zeros((1, 1, 4, 64))
+    with pytest.raises(ValueError, match="got dk = 32, dv = 32"):
+        kda_decode.update_state(jnp.zeros((1, 1, 4, 32)), jnp.zeros((1, 1, 32, 32)), out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="got dk = 64, dv = 128"):
+        kda_decode.update_state(vectors, jnp.zeros((1, 1, 64, 128)), out_dtype=jnp.bfloat16)
     state = jnp.zeros((1, 1, 64, 64))
     with pytest.raises(ValueError, match="block_v = 16"):
-        kda_decode.update_state(rows, cols, state, out_dtype=jnp.bfloat16, block_v=16)
-    with pytest.raises(ValueError, match=r"rows must be float32 \[1, 1, 3, 64\], got float32 \[1, 1, 3, 32\]"):
-        kda_decode.update_state(rows, jnp.zeros((1, 1, 3, 64)), state, out_dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="cols must be float32"):
-        kda_decode.update_state(jnp.zeros((1, 1, 3, 64)), cols.astype(jnp.bfloat16), state, out_dtype=jnp.bfloat16)
+        kda_decode.update_state(vectors, state, out_dtype=jnp.bfloat16, block_v=16)
+    with pytest.raises(ValueError, match=r"vectors must be float32 \[1, 1, 4, 64\], got float32 \[1, 1, 3, 64\]"):
+        kda_decode.update_state(jnp.zeros((1, 1, 3, 64)), state, out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="vectors must be float32"):
+        kda_decode.update_state(vectors.astype(jnp.bfloat16), state, out_dtype=jnp.bfloat16)
 
 
 def test_auto_dispatch_on_cpu_is_the_reference():
