@@ -39,6 +39,7 @@ DECODE_BATCHES = [1, 64, 256]
 CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns per program, buffering
     "default": {},
     "v16": {"block_v": 16},
+    "v32": {"block_v": 32},  # the default before 64 columns over several waves (two CTAs per SM there)
     "slots1": {"slots": 1},  # two CTAs per SM, each chunk's tiles fetched after the previous one
     "slots2": {"slots": 2},  # one CTA per SM, the next chunk's tiles in flight
     "o3": {"o_products": 3},  # q_w S in three bf16 products (the default for fp32 o; bf16 o takes 2)
@@ -189,27 +190,34 @@ def to_jax(q, k, v, g, beta):
 
 
 def check_small():
-    """Ragged lengths, initial state, gates at the lower bound, T not a multiple of 64, and a dense
-    A_kk (one repeated key, no decay, beta = 1: where the old doubling inverse overflowed)."""
+    """Ragged lengths, initial state, gates at the lower bound, T not a multiple of 64, a dense A_kk
+    (one repeated key, no decay, beta = 1: where the old doubling inverse overflowed), and a bf16 o
+    over more than one wave of the chain (its default there: 64 value columns, one slot of u)."""
     log("\n== small parity checks on the GPU (ours vs reference)")
-    cases = [(3, 200, 4, 128, "random"), (2, 130, 2, 64, "lower_bound"), (1, 1, 1, 128, "random"), (1, 130, 2, 128, "dense")]
-    for b, t, h, d, gate in [cases[1], cases[3]] if INTERPRET else cases:
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    cases = [
+        (3, 200, 4, 128, "random", f32), (2, 130, 2, 64, "lower_bound", f32), (1, 1, 1, 128, "random", f32),
+        (1, 130, 2, 128, "dense", f32), (2, 130, 80, 64, "random", bf16),
+    ]
+    for b, t, h, d, gate, dtype in [cases[1], cases[3]] if INTERPRET else cases:
         q, k, v, g, beta = prefill_inputs(b, t, h, d, seed=t)
         if gate == "lower_bound":
             g = np.full_like(g, -5.0)
         if gate == "dense":
             k, g, beta = np.broadcast_to(k[:, :1], k.shape), np.zeros_like(g), np.ones_like(beta)
         q, k, v, g, beta = to_jax(q, k, v, g, beta)
-        f32 = [x.astype(jnp.float32) for x in (q, k, v, beta)]
+        x = [a.astype(dtype) for a in (q, k, v, beta)]
         s0 = jax.random.normal(jax.random.key(t), (b, h, d, d))
         lengths = jnp.array([t, max(t // 3, 1), max(t - 17, 1)][:b], jnp.int32)
-        o, s = kda.kda_chunk_scan(*f32[:3], g, f32[3], s0, lengths=lengths, implementation="pallas", interpret=INTERPRET)
-        o_r, s_r = kda.kda_chunk_scan_reference(*f32[:3], g, f32[3], s0, lengths=lengths)
+        o, s = kda.kda_chunk_scan(*x[:3], g, x[3], s0, lengths=lengths, implementation="pallas", interpret=INTERPRET)
+        ref = [a.astype(f32) for a in x]
+        o_r, s_r = kda.kda_chunk_scan_reference(*ref[:3], g, ref[3], s0, lengths=lengths)
         valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
-        e_o = relative_error(np.asarray(o)[valid], np.asarray(o_r)[valid])
+        e_o = relative_error(np.asarray(o.astype(f32))[valid], np.asarray(o_r)[valid])
         e_s = relative_error(s, s_r)
-        log(f"B={b} T={t} H={h} D={d} gate={gate} lengths={list(map(int, lengths))}: o {e_o:.2e}  state {e_s:.2e}")
-        ROWS.append(("check", "ours small", f"B={b} T={t} H={h} D={d} {gate}", max(e_o, e_s), float("nan"), "fp32 in"))
+        name = jnp.dtype(dtype).name
+        log(f"B={b} T={t} H={h} D={d} gate={gate} {name} in, lengths={list(map(int, lengths))}: o {e_o:.2e}  state {e_s:.2e}")
+        ROWS.append(("check", "ours small", f"B={b} T={t} H={h} D={d} {gate}", max(e_o, e_s), float("nan"), f"{name} in"))
 
 
 def bench_prefill(configs):

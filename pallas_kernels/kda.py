@@ -285,15 +285,15 @@ def _scan_unsupported(q, v, chunk_size):
 
 def kda_chunk_scan(
     q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, implementation=None, interpret=False,
-    block_v=kda_chain.BLOCK_V, slots=None, value_slots=None, o_products=None, multicast=None,
+    block_v=None, slots=None, value_slots=None, o_products=None, multicast=None,
 ):
     """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
 
     `implementation` None / "reference" / "pallas" (see the module docstring), `interpret` runs the
     Pallas kernels in the interpreter, `block_v` the value columns per program of the serial chain,
-    `slots` and `value_slots` its buffering, `o_products` the precision of its q_w S and `multicast` its clusters
-    (`kda_chain.chunk_scan`; None picks each by the shape). The Pallas scan multiplies q, k and v as
-    bf16 (other dtypes are rounded to it) and writes o in q's dtype.
+    `slots` and `value_slots` its buffering, `o_products` the precision of its q_w S and `multicast`
+    its clusters (None picks each by the shape: `kda_chain.default_options`). The Pallas scan
+    multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
     """
     _check_inputs(q, k, v, g, beta, initial_state, lengths)
     if _pick(implementation, _scan_unsupported(q, v, chunk_size), q.dtype) == "reference":

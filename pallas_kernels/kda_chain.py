@@ -26,6 +26,7 @@ from pallas_kernels import kda_intra
 from pallas_kernels.kda_intra import _F32, _ROW, CHUNK, _load, _matmul, _operand_smem, _split
 
 BLOCK_V = 32  # value columns per program: two slots of its tiles fill most of the SMEM at dk = 128
+WIDE_BLOCK_V = 64  # over several waves: one CTA per SM, u and A_qk u in one slot (`default_options`)
 CLUSTER_BLOCKS = range(2, 9)  # value blocks per head that multicast can run as one cluster
 
 
@@ -264,28 +265,47 @@ def scan_arg_shapes(b, t, h, d):
     )
 
 
+def default_options(b, h, dv, out_dtype, *, block_v=None, slots=None, value_slots=None, multicast=None, sms=None):
+    """The chain's options for B sequences of H heads, those left None picked by the shape: `block_v`
+    32 value columns when the 32-column grid fits on the `sms` SMs in one wave; over several waves with
+    a bf16 o, 64 columns in one CTA per SM, its key tiles in two slots and u and A_qk u in one (on the
+    H200 the scan 1.70 -> 1.56 ms at (1, 8192, 64), 1.81 -> 1.60 at (8, 4096, 16): half the CTAs, each
+    reading its left operands from SMEM once per 64 columns). `slots`: one (two CTAs per SM) when a
+    32-column grid is over one wave and o is bf16, else two. `multicast`: clusters when the grid fits
+    in one wave (on the H200 multicast took the chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it
+    3-15% slower over several waves). Returns (block_v, slots, value_slots, multicast)."""
+    sms = sms or getattr(jax.devices()[0], "core_count", None) or 132
+    bf16_o = jnp.dtype(out_dtype) == jnp.bfloat16
+    if block_v is None:
+        over_one_wave = b * h * (dv // min(BLOCK_V, dv)) > sms
+        block_v = WIDE_BLOCK_V if bf16_o and over_one_wave else BLOCK_V
+    block_v = min(block_v, dv)
+    value_blocks = dv // block_v
+    one_wave = b * h * value_blocks <= sms
+    if slots is None:
+        slots = 2 if one_wave or not bf16_o or block_v > BLOCK_V else 1
+    if value_slots is None:
+        value_slots = 1 if slots == 2 and block_v > BLOCK_V else slots
+    if multicast is None:
+        multicast = one_wave and value_blocks in CLUSTER_BLOCKS
+    return block_v, slots, value_slots, multicast
+
+
 def chunk_scan(
-    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=BLOCK_V, slots=None, value_slots=None,
+    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=None, slots=None, value_slots=None,
     o_products=None, multicast=None, interpret=False,
 ):
     """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
     kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
     `lengths` int32 [B]. Returns o [B, T', H, d] in `out_dtype` (T' = T rounded up to whole chunks;
-    rows past T are meaningless) and the final state. `slots` None picks one slot (two CTAs per SM)
-    when the chain's grid has more CTAs than the GPU has SMs and o is bf16, else two; `multicast`
-    None picks clusters when the grid fits on the SMs in one wave (on the H200 multicast took the
-    chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it 3-15% slower over several waves);
-    `value_slots` and `o_products` as in `chain`; q_w's lo half is computed only for three."""
+    rows past T are meaningless) and the final state. `block_v`, `slots`, `value_slots` and
+    `multicast` None are picked by `default_options`; `o_products` as in `chain`; q_w's lo half is
+    computed only for three."""
     o_products = default_o_products(out_dtype) if o_products is None else o_products
     b, _, h, dv = v.shape
-    block_v = min(block_v, dv)
-    value_blocks = dv // block_v
-    one_wave = b * h * value_blocks <= (getattr(jax.devices()[0], "core_count", None) or 132)
-    if slots is None:
-        slots = 2 if one_wave or jnp.dtype(out_dtype) != jnp.bfloat16 else 1
-    if multicast is None:
-        multicast = one_wave and value_blocks in CLUSTER_BLOCKS
-    value_slots = slots if value_slots is None else value_slots
+    block_v, slots, value_slots, multicast = default_options(
+        b, h, dv, out_dtype, block_v=block_v, slots=slots, value_slots=value_slots, multicast=multicast
+    )
     _check_options(dv, block_v, out_dtype, slots, value_slots, o_products, multicast)  # before the intra kernel runs
     parts = kda_intra.intra(
         q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, qw_lo=o_products == 3, interpret=interpret

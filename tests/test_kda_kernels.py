@@ -236,6 +236,23 @@ def test_chain_with_one_value_slot_matches_two_slots(block_v, multicast):
     assert relative_error(s1, s_ref) < 1e-4
 
 
+@pytest.mark.parametrize(
+    "b, h, d, out_dtype, chosen, want",
+    [
+        (1, 16, 128, jnp.bfloat16, {}, (32, 2, 2, True)),  # 64 CTAs: one wave, clusters of a head's 4 blocks
+        (1, 64, 128, jnp.bfloat16, {}, (64, 2, 1, True)),  # 256 CTAs at 32 columns, 128 at 64: one wave
+        (8, 16, 128, jnp.bfloat16, {}, (64, 2, 1, False)),  # 256 CTAs at 64 columns: two waves
+        (8, 16, 128, jnp.float32, {}, (32, 2, 2, False)),  # q_w's lo half leaves no room for 64 columns
+        (8, 16, 128, jnp.bfloat16, {"block_v": 32}, (32, 1, 1, False)),  # two CTAs per SM
+        (8, 16, 128, jnp.bfloat16, {"block_v": 64, "slots": 1}, (64, 1, 1, False)),
+        (2, 80, 64, jnp.bfloat16, {}, (64, 2, 1, False)),
+        (2, 3, 64, jnp.bfloat16, {}, (32, 2, 2, True)),
+    ],
+)
+def test_chain_default_options_by_shape(b, h, d, out_dtype, chosen, want):
+    assert kda_chain.default_options(b, h, d, out_dtype, sms=132, **chosen) == want
+
+
 def test_chain_one_slot_refuses_an_fp32_output():
     parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
     with pytest.raises(ValueError, match="out_dtype must be bfloat16"):

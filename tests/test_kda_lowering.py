@@ -17,7 +17,11 @@ def lowered_calls(fn, *args):
     return re.findall(r"custom_call @([\w$.]+)", kda_chain.lower_for_h200(fn, *args).as_text())
 
 
-@pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128), (1, 70, 3, 64), (1, 70, 5, 64)])
+@pytest.mark.parametrize(
+    "b, t, h, d",
+    # (2, 130, 80, 64): over one wave, so 64 value columns in one slot of u and A_qk u by default
+    [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128), (1, 70, 3, 64), (1, 70, 5, 64), (2, 130, 80, 64)],
+)
 def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
     args = kda_chain.scan_arg_shapes(b, t, h, d)
     calls = lowered_calls(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16), *args)
