@@ -39,21 +39,16 @@ DECODE_BATCHES = [1, 64, 256]
 CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns per program, buffering
     "default": {},
     "v16": {"block_v": 16},
-    "v32": {"block_v": 32},  # the default before 64 columns over several waves (two CTAs per SM there)
-    "slots1": {"slots": 1},  # two CTAs per SM, each chunk's tiles fetched after the previous one
-    "slots2": {"slots": 2},  # one CTA per SM, the next chunk's tiles in flight
+    "v32": {"block_v": 32},  # 32 columns, u and A_qk u in two slots: the default in one wave
     "o3": {"o_products": 3},  # q_w S in three bf16 products (the default for fp32 o; bf16 o takes 2)
     "o1": {"o_products": 1},  # q_w S as one bf16 product
     "mc": {"multicast": True},  # a head's value blocks as one cluster, sharing their tiles by TMA multicast
     "mc0": {"multicast": False},  # (the default: multicast when the chain's grid fits in one wave)
     "v16mc0": {"block_v": 16, "multicast": False},
-    # 64 value columns, one slot (two would take 248 KB of SMEM): half the CTAs, each with twice the
-    # columns per wgmma (less SMEM read per multiply-add); clusters of a head's two blocks in one wave
-    "v64s1": {"block_v": 64, "slots": 1},
-    "v64s1mc0": {"block_v": 64, "slots": 1, "multicast": False},
-    # 64 value columns, the key tiles in two slots, u and A_qk u in one, each refetched once in registers
-    "v64k2": {"block_v": 64, "slots": 2, "value_slots": 1},
-    "v64k2mc0": {"block_v": 64, "slots": 2, "value_slots": 1, "multicast": False},
+    # 64 value columns, u and A_qk u in one slot, each refetched once in registers: half the CTAs,
+    # each with twice the columns per wgmma (the default over several waves)
+    "v64k2": {"block_v": 64, "value_slots": 1},
+    "v64k2mc0": {"block_v": 64, "value_slots": 1, "multicast": False},
 }
 DECODE_VARIANTS = "64x4,m32"  # see --decode-variants
 ROWS = []  # (section, name, shape, error, ms, note)

@@ -3,7 +3,7 @@ kernel's SMEM request, the size of its lowered module (a proxy for code size: th
 kernel outgrew the instruction cache) and a hash of the module printed without debug info, so that
 a refactor can be shown to leave the GPU code unchanged (same hash) without a device run.
 
-    PYTHONPATH=$PWD python3 bench/kda_lowered.py [--shapes "B,T,H,D;..."] [--options '{"slots": 1}']
+    PYTHONPATH=$PWD python3 bench/kda_lowered.py [--shapes "B,T,H,D;..."] [--options '{"block_v": 64}']
 """
 
 import argparse

@@ -6,7 +6,8 @@ chunks, only the state handed from piece to piece).
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_overlap.py [--shapes "1,16384,16;..."] [--pieces 2,4,8]
 
-Result on the H200 (bench/RESULTS.md, thirteenth session): no overlap. The second stream gives the
+Result on the H200 (bench/RESULTS.md, thirteenth session, with the chain then in one or two slots
+of 32 columns): no overlap. The second stream gives the
 same times as the first, with or without XLA's stream annotation flags, and every extra piece costs
 about 0.04 ms. The intra kernel fills every SM's shared memory (two 105 KB CTAs), so a chain CTA
 finds no room until the intra grid drains: the two kernels can only meet at their boundary.
@@ -23,7 +24,7 @@ from pallas_kernels import kda_chain, kda_intra
 from pallas_kernels.kda_gates import CHUNK
 
 
-def pipelined_scan(q, k, v, g, beta, s0, lengths, *, pieces, slots, stream):
+def pipelined_scan(q, k, v, g, beta, s0, lengths, *, pieces, stream):
     b, t, h, d = q.shape
     size = -(-t // (pieces * CHUNK)) * CHUNK
     beta_bht = jnp.swapaxes(beta, 1, 2).astype(jnp.float32)
@@ -36,11 +37,10 @@ def pipelined_scan(q, k, v, g, beta, s0, lengths, *, pieces, slots, stream):
             piece_lengths, qw_lo=False,
         )
 
-        def chain(parts, state):
-            value_blocks = d // kda_chain.BLOCK_V
+        def chain(parts, state):  # the scan's own options for the shape
+            block_v, value_slots, multicast = kda_chain.default_options(b, h, d, jnp.bfloat16)
             return kda_chain.chain(
-                *parts, state, out_dtype=jnp.bfloat16, slots=slots,
-                multicast=slots == 2 and value_blocks in kda_chain.CLUSTER_BLOCKS and b * h * value_blocks <= 132,
+                *parts, state, out_dtype=jnp.bfloat16, block_v=block_v, value_slots=value_slots, multicast=multicast
             )
 
         if stream:
@@ -54,7 +54,6 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="1,16384,16;1,8192,64;8,4096,16")
     parser.add_argument("--pieces", default="2,4,8")
-    parser.add_argument("--slots", default="2,1")
     parser.add_argument("--print-hlo", action="store_true", help="the compiled HLO's async and stream lines")
     args = parser.parse_args()
     for shape in args.shapes.split(";"):
@@ -67,17 +66,16 @@ def main():
         o_ref, s_ref = plain(q, k, v, g, beta, s0, lengths)
         bench.log(f"B={b} T={t} H={h}: plain scan {bench.dispatched_ms(plain, q, k, v, g, beta, s0, lengths):.3f} ms")
         for pieces in (int(p) for p in args.pieces.split(",")):
-            for slots in (int(s) for s in args.slots.split(",")):
-                for stream in (False, True):
-                    fn = jax.jit(lambda *a, p=pieces, s=slots, st=stream: pipelined_scan(*a, pieces=p, slots=s, stream=st))
-                    try:
-                        o, s = fn(q, k, v, g, beta, s0, lengths)
-                        do = float(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32)).max())
-                        ds = float(jnp.abs(s - s_ref).max())
-                        ms = bench.dispatched_ms(fn, q, k, v, g, beta, s0, lengths)
-                        bench.log(f"  pieces {pieces} slots {slots} stream {int(stream)}: {ms:.3f} ms  |do| {do:.2e} |ds| {ds:.2e}")
-                    except Exception as e:  # a probe: report and go on
-                        bench.log(f"  pieces {pieces} slots {slots} stream {int(stream)}: failed {type(e).__name__}: {str(e)[:300]}")
+            for stream in (False, True):
+                fn = jax.jit(lambda *a, p=pieces, st=stream: pipelined_scan(*a, pieces=p, stream=st))
+                try:
+                    o, s = fn(q, k, v, g, beta, s0, lengths)
+                    do = float(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32)).max())
+                    ds = float(jnp.abs(s - s_ref).max())
+                    ms = bench.dispatched_ms(fn, q, k, v, g, beta, s0, lengths)
+                    bench.log(f"  pieces {pieces} stream {int(stream)}: {ms:.3f} ms  |do| {do:.2e} |ds| {ds:.2e}")
+                except Exception as e:  # a probe: report and go on
+                    bench.log(f"  pieces {pieces} stream {int(stream)}: failed {type(e).__name__}: {str(e)[:300]}")
                     if args.print_hlo and pieces == 2 and stream:
                         text = fn.lower(q, k, v, g, beta, s0, lengths).compile().as_text()
                         lines = [line.strip()[:160] for line in text.splitlines() if "async" in line or "_xla_stream" in line]

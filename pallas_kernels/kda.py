@@ -285,13 +285,13 @@ def _scan_unsupported(q, v, chunk_size):
 
 def kda_chunk_scan(
     q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, implementation=None, interpret=False,
-    block_v=None, slots=None, value_slots=None, o_products=None, multicast=None,
+    block_v=None, value_slots=None, o_products=None, multicast=None,
 ):
     """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
 
     `implementation` None / "reference" / "pallas" (see the module docstring), `interpret` runs the
     Pallas kernels in the interpreter, `block_v` the value columns per program of the serial chain,
-    `slots` and `value_slots` its buffering, `o_products` the precision of its q_w S and `multicast`
+    `value_slots` its buffering of u and A_qk u, `o_products` the precision of its q_w S and `multicast`
     its clusters (None picks each by the shape: `kda_chain.default_options`). The Pallas scan
     multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
     """
@@ -305,7 +305,7 @@ def kda_chunk_scan(
     bf16 = jnp.bfloat16
     o, state = kda_chain.chunk_scan(
         q.astype(bf16), k.astype(bf16), v.astype(bf16), g.astype(jnp.float32), beta,
-        initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, block_v=block_v, slots=slots,
+        initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, block_v=block_v,
         value_slots=value_slots, o_products=o_products, multicast=multicast, interpret=interpret,
     )
     return o[:, :t], state

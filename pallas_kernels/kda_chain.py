@@ -27,6 +27,7 @@ from pallas_kernels.kda_intra import _F32, _ROW, CHUNK, _load, _matmul, _operand
 
 BLOCK_V = 32  # value columns per program: two slots of its tiles fill most of the SMEM at dk = 128
 WIDE_BLOCK_V = 64  # over several waves: one CTA per SM, u and A_qk u in one slot (`default_options`)
+KEY_SLOTS = 2  # the next chunk's key tiles come in while this one's are worked on
 CLUSTER_BLOCKS = range(2, 9)  # value blocks per head that multicast can run as one cluster
 
 
@@ -59,9 +60,7 @@ def _chain_kernel(
     early_values = value_slots < slots
     dk = w_s.shape[-1]
     cols = pl.ds(vb * block_v, block_v)
-    # With one slot, v_new's halves take u's buffers (u is in registers by then) and o takes A_qk u's
-    # hi buffer, so that the kernel fits two CTAs per SM.
-    v_halves, o_s = own if own else ((u_hi_s.at[0], u_lo_s.at[0]), au_hi_s.at[0])
+    v_halves, o_s = own
 
     u_pairs, au_pairs = ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s)), ((au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s))
 
@@ -95,14 +94,14 @@ def _chain_kernel(
 
     def step(n, s):
         slot = lax.rem(n, slots)
-        if slots == 2:  # the next chunk's tiles come in while this one is worked on
-            plgpu.commit_smem()  # every thread is done with the previous chunk's buffers
+        # The next chunk's tiles come in while this one is worked on.
+        plgpu.commit_smem()  # every thread is done with the previous chunk's buffers
 
-            @pl.when(n + 1 < n_chunks)
-            def _():
-                if multicast:  # every block of the cluster is done with chunk n - 1's slot
-                    pl.when(n >= 1)(lambda: plgpu.barrier_wait(consumed.at[1 - slot]))
-                fetch(n + 1, 1 - slot)
+        @pl.when(n + 1 < n_chunks)
+        def _():
+            if multicast:  # every block of the cluster is done with chunk n - 1's slot
+                pl.when(n >= 1)(lambda: plgpu.barrier_wait(consumed.at[1 - slot]))
+            fetch(n + 1, 1 - slot)
 
         # exp(G_last) straight from HBM into registers (no SMEM), loaded early to hide the latency
         decay = _load(decay_ref.at[b, h, n], _ROW, optimized=False)
@@ -119,8 +118,6 @@ def _chain_kernel(
         v_new = u - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
         refetch_values(n, u_pairs, 0)
         v_hi, v_lo = _split(v_new)
-        if slots == 1:  # v_new takes u's buffers: every warp has read u
-            plgpu.commit_smem()
         v_halves[0][...] = v_hi
         v_halves[1][...] = v_lo
         plgpu.commit_smem()
@@ -138,17 +135,7 @@ def _chain_kernel(
         plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, cols])
         kd_hi, kd_lo = kd_hi_s.at[slot].T, kd_lo_s.at[slot].T  # [dk, 64]: channels as rows
         written = _matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])])
-        if slots == 1:  # the next chunk's tiles come in now: the other CTA on the SM works meanwhile
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o is read out of A_qk u's buffer
-            plgpu.commit_smem()  # every thread is done with this chunk's buffers
-
-            @pl.when(n + 1 < n_chunks)
-            def _():
-                if multicast:  # and so is every block of the cluster
-                    plgpu.barrier_arrive(consumed.at[0])
-                    plgpu.barrier_wait(consumed.at[0])
-                fetch(n + 1, 0)
-        elif multicast:  # chunk n + 2 will come into this slot: tell the cluster it is free
+        if multicast:  # chunk n + 2 will come into this slot: tell the cluster it is free
 
             @pl.when(n + 2 < n_chunks)
             def _():
@@ -168,31 +155,28 @@ def default_o_products(out_dtype):
     return 2 if jnp.dtype(out_dtype) == jnp.bfloat16 else 3
 
 
-def _check_options(dv, block_v, out_dtype, slots, value_slots, o_products, multicast):
+def _check_options(dv, block_v, value_slots, o_products, multicast):
     """The chain's options, checked before any kernel of the scan runs (block_v already capped at dv)."""
     if o_products not in (1, 2, 3):
         raise ValueError(f"o_products must be 1, 2 or 3, got {o_products}")
-    if slots not in (1, 2):
-        raise ValueError(f"slots must be 1 or 2, got {slots}")
-    if value_slots not in (1, slots):
-        raise ValueError(f"value_slots must be 1 or slots = {slots}, got {value_slots}")
+    if value_slots not in (1, 2):
+        raise ValueError(f"value_slots must be 1 or 2, got {value_slots}")
     if multicast and dv // block_v not in CLUSTER_BLOCKS:
         raise ValueError(f"multicast needs 2 to 8 value blocks per head (a cluster), got dv / block_v = {dv // block_v}")
-    if slots == 1 and jnp.dtype(out_dtype) != jnp.bfloat16:
-        raise ValueError(f"slots=1 writes o through a bf16 buffer: out_dtype must be bfloat16, got {out_dtype}")
 
 
 def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
-    slots=2, value_slots=None, o_products=None, multicast=False, interpret=False,
+    value_slots=2, o_products=None, multicast=False, interpret=False,
 ):
     """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
-    outputs and the fp32 initial state [B, H, dk, dv]. `slots`: 2 brings each chunk's tiles in while
-    the previous chunk is worked on (one CTA per SM at dk = 128: 225,280 B of SMEM by the lowering, or
-    192,512 B with two o products); 1 brings them in after it, in 114,688 B (98,304 B) so that two
-    CTAs share an SM (bf16 o only). `value_slots` (default: `slots`) 1 under two slots keeps the
-    key tiles double-buffered but u and A_qk u in one buffer each, fetched anew as soon as they are in
-    registers (with 64 value columns: 221 KB rather than 248 KB). `o_products`: q_w S as 3 bf16 products
+    outputs and the fp32 initial state [B, H, dk, dv]. Each chunk's key tiles (w, q_w, k exp(G_last -
+    G)) come in, in two slots, while the previous chunk is worked on; u and A_qk u too with
+    `value_slots` 2 (one CTA per SM at dk = 128 and 32 columns: 225,280 B of SMEM by the lowering, or
+    192,512 B with two o products), or with 1 in one buffer each, fetched anew as soon as they are in
+    registers (at 64 columns: 221,184 B rather than 248 KB). (A one-slot form for two CTAs per SM,
+    tiles fetched after each chunk, was slower at every shape once 64 columns fitted: bench/RESULTS.md,
+    nineteenth session.) `o_products`: q_w S as 3 bf16 products
     (hi.hi + hi.lo + lo.hi, as precise as fp32 work to about 1e-5), 2 (q_w's hi half times S's halves)
     or 1 (hi.hi); None: 3 for an fp32 o, 2 for a bf16 one (whose rounding is the larger error: on the
     H200 the output error stays at the bf16 floor and the scan is 5-7% faster). The state's products
@@ -205,11 +189,11 @@ def chain(
     dv = u_hi.shape[-1]
     block_v = min(block_v, dv)
     c = CHUNK
-    value_slots = slots if value_slots is None else value_slots
-    _check_options(dv, block_v, out_dtype, slots, value_slots, o_products, multicast)
+    slots = KEY_SLOTS
+    _check_options(dv, block_v, value_slots, o_products, multicast)
     if o_products == 3 and qw_lo is None:
         raise ValueError("o_products=3 multiplies q_w's lo half: qw_lo must be an array, got None")
-    own = () if slots == 1 else (
+    own = (
         tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
         _operand_smem((c, block_v), out_dtype),  # o on its way out
     )
@@ -265,15 +249,15 @@ def scan_arg_shapes(b, t, h, d):
     )
 
 
-def default_options(b, h, dv, out_dtype, *, block_v=None, slots=None, value_slots=None, multicast=None, sms=None):
+def default_options(b, h, dv, out_dtype, *, block_v=None, value_slots=None, multicast=None, sms=None):
     """The chain's options for B sequences of H heads, those left None picked by the shape: `block_v`
     32 value columns when the 32-column grid fits on the `sms` SMs in one wave; over several waves with
-    a bf16 o, 64 columns in one CTA per SM, its key tiles in two slots and u and A_qk u in one (on the
-    H200 the scan 1.70 -> 1.56 ms at (1, 8192, 64), 1.81 -> 1.60 at (8, 4096, 16): half the CTAs, each
-    reading its left operands from SMEM once per 64 columns). `slots`: one (two CTAs per SM) when a
-    32-column grid is over one wave and o is bf16, else two. `multicast`: clusters when the grid fits
-    in one wave (on the H200 multicast took the chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it
-    3-15% slower over several waves). Returns (block_v, slots, value_slots, multicast)."""
+    a bf16 o, 64 columns in one CTA per SM, u and A_qk u in one slot (on the H200 the scan 1.71 ->
+    1.56 ms at (1, 8192, 64), 1.83 -> 1.60 at (8, 4096, 16) against 32 columns in two CTAs per SM:
+    half the CTAs, each reading its left operands from SMEM once per 64 columns). `value_slots`: one
+    above 32 columns (two would not fit), else two. `multicast`: clusters when the grid fits in one
+    wave (on the H200 multicast took the chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it 3-15%
+    slower over several waves). Returns (block_v, value_slots, multicast)."""
     sms = sms or getattr(jax.devices()[0], "core_count", None) or 132
     bf16_o = jnp.dtype(out_dtype) == jnp.bfloat16
     if block_v is None:
@@ -282,35 +266,33 @@ def default_options(b, h, dv, out_dtype, *, block_v=None, slots=None, value_slot
     block_v = min(block_v, dv)
     value_blocks = dv // block_v
     one_wave = b * h * value_blocks <= sms
-    if slots is None:
-        slots = 2 if one_wave or not bf16_o or block_v > BLOCK_V else 1
     if value_slots is None:
-        value_slots = 1 if slots == 2 and block_v > BLOCK_V else slots
+        value_slots = 1 if block_v > BLOCK_V else 2
     if multicast is None:
         multicast = one_wave and value_blocks in CLUSTER_BLOCKS
-    return block_v, slots, value_slots, multicast
+    return block_v, value_slots, multicast
 
 
 def chunk_scan(
-    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=None, slots=None, value_slots=None,
-    o_products=None, multicast=None, interpret=False,
+    q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=None, value_slots=None, o_products=None,
+    multicast=None, interpret=False,
 ):
     """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
     kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
     `lengths` int32 [B]. Returns o [B, T', H, d] in `out_dtype` (T' = T rounded up to whole chunks;
-    rows past T are meaningless) and the final state. `block_v`, `slots`, `value_slots` and
-    `multicast` None are picked by `default_options`; `o_products` as in `chain`; q_w's lo half is
-    computed only for three."""
+    rows past T are meaningless) and the final state. `block_v`, `value_slots` and `multicast` None
+    are picked by `default_options`; `o_products` as in `chain`; q_w's lo half is computed only for
+    three."""
     o_products = default_o_products(out_dtype) if o_products is None else o_products
     b, _, h, dv = v.shape
-    block_v, slots, value_slots, multicast = default_options(
-        b, h, dv, out_dtype, block_v=block_v, slots=slots, value_slots=value_slots, multicast=multicast
+    block_v, value_slots, multicast = default_options(
+        b, h, dv, out_dtype, block_v=block_v, value_slots=value_slots, multicast=multicast
     )
-    _check_options(dv, block_v, out_dtype, slots, value_slots, o_products, multicast)  # before the intra kernel runs
+    _check_options(dv, block_v, value_slots, o_products, multicast)  # before the intra kernel runs
     parts = kda_intra.intra(
         q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, qw_lo=o_products == 3, interpret=interpret
     )
     return chain(
-        *parts, initial_state, out_dtype=out_dtype, block_v=block_v, slots=slots, value_slots=value_slots,
+        *parts, initial_state, out_dtype=out_dtype, block_v=block_v, value_slots=value_slots,
         o_products=o_products, multicast=multicast, interpret=interpret,
     )

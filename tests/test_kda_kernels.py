@@ -126,26 +126,6 @@ def test_gate_sums_refuses_a_tile_other_than_128_or_256(block):
         kda_gates.gate_sums(g, jnp.array([64], jnp.int32), 64, block=block)
 
 
-@pytest.mark.parametrize(
-    "b, t, h, d", [pytest.param(2, 200, 2, 64, marks=pytest.mark.slow), (1, 130, 1, 128)]  # slow: time, not coverage
-)
-def test_chain_with_one_slot_matches_two_slots(b, t, h, d):
-    """The chain's one-slot form (tiles fetched after each chunk, buffers shared, for two CTAs per
-    SM) computes what the two-slot form does, bit for bit, and both match the reference."""
-    q, k, v, g, beta = scan_inputs(12, b, t, h, d)
-    s0 = jax.random.normal(jax.random.key(12), (b, h, d, d))
-    lengths = jnp.array([t, t - 61][:b], jnp.int32)
-    args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, lengths)
-    o1, s1 = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=1, interpret=True)
-    o2, s2 = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, slots=2, interpret=True)
-    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
-    np.testing.assert_array_equal(s1, s2)
-    o_ref, s_ref = kda.kda_chunk_scan_reference(q, k, v, g, beta, s0, lengths=lengths)
-    valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
-    assert relative_error(np.asarray(o1[:, :t], np.float32)[valid], np.asarray(o_ref)[valid]) < 4e-3  # bf16 o
-    assert relative_error(s1, s_ref) < TOLERANCE
-
-
 @pytest.mark.parametrize("o_products", [1, 2])
 def test_chain_with_fewer_output_products(o_products):
     """q_w S in fewer bf16 products changes o alone: the state equals the three-product form's bit for
@@ -183,21 +163,23 @@ def test_intra_without_q_w_lo_half_writes_the_rest_unchanged():
         kda_chain.chain(*lean, jnp.zeros((b, h, d, d)), out_dtype=jnp.float32)
 
 
-# Clusters of 2, 4 and 8 value blocks, each with one and two slots. The default run keeps one of the
-# six (each case takes 10-30 s in the interpreter); the rest run with -m slow.
+# Clusters of 2, 4 and 8 value blocks, each with u and A_qk u in one and two slots. The default run
+# keeps one of the six (each case takes 10-30 s in the interpreter); the rest run with -m slow.
 @pytest.mark.parametrize(
-    "slots, d, block_v",
+    "value_slots, d, block_v",
     [(2, 64, 32)]
     + [pytest.param(*case, marks=pytest.mark.slow) for case in [(1, 64, 32), (1, 128, 32), (2, 128, 32), (1, 128, 16), (2, 128, 16)]],
 )
-def test_chain_multicast_matches_separate_fetches(slots, d, block_v):
+def test_chain_multicast_matches_separate_fetches(value_slots, d, block_v):
     """The chain with a head's value blocks in one cluster (tiles shared by TMA multicast, slots freed
     through a cluster barrier) computes what separate fetches do, bit for bit."""
     b, t, h = 1, 200, 2
     q, k, v, g, beta = scan_inputs(14, b, t, h, d)
     s0 = jax.random.normal(jax.random.key(14), (b, h, d, d))
     args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, jnp.full((b,), t, jnp.int32))
-    run = functools.partial(kda_chain.chunk_scan, *args, out_dtype=jnp.bfloat16, block_v=block_v, slots=slots, interpret=True)
+    run = functools.partial(
+        kda_chain.chunk_scan, *args, out_dtype=jnp.bfloat16, block_v=block_v, value_slots=value_slots, interpret=True
+    )
     o_mc, s_mc = run(multicast=True)
     o, s = run(multicast=False)
     np.testing.assert_array_equal(np.asarray(o_mc, np.float32), np.asarray(o, np.float32))
@@ -221,8 +203,8 @@ def test_chain_with_one_value_slot_matches_two_slots(block_v, multicast):
     lengths = jnp.array([t, t - 61], jnp.int32)
     args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, lengths)
     run = functools.partial(kda_chain.chunk_scan, *args, out_dtype=jnp.bfloat16, multicast=multicast, interpret=True)
-    o1, s1 = run(block_v=block_v, slots=2, value_slots=1)
-    o2, s2 = run(block_v=32, slots=2)
+    o1, s1 = run(block_v=block_v, value_slots=1)
+    o2, s2 = run(block_v=32, value_slots=2)
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
     o1, o2 = (np.asarray(o[:, :t], np.float32)[valid] for o in (o1, o2))
     if block_v == 32:
@@ -239,34 +221,26 @@ def test_chain_with_one_value_slot_matches_two_slots(block_v, multicast):
 @pytest.mark.parametrize(
     "b, h, d, out_dtype, chosen, want",
     [
-        (1, 16, 128, jnp.bfloat16, {}, (32, 2, 2, True)),  # 64 CTAs: one wave, clusters of a head's 4 blocks
-        (1, 64, 128, jnp.bfloat16, {}, (64, 2, 1, True)),  # 256 CTAs at 32 columns, 128 at 64: one wave
-        (8, 16, 128, jnp.bfloat16, {}, (64, 2, 1, False)),  # 256 CTAs at 64 columns: two waves
-        (8, 16, 128, jnp.float32, {}, (32, 2, 2, False)),  # q_w's lo half leaves no room for 64 columns
-        (8, 16, 128, jnp.bfloat16, {"block_v": 32}, (32, 1, 1, False)),  # two CTAs per SM
-        (8, 16, 128, jnp.bfloat16, {"block_v": 64, "slots": 1}, (64, 1, 1, False)),
-        (2, 80, 64, jnp.bfloat16, {}, (64, 2, 1, False)),
-        (2, 3, 64, jnp.bfloat16, {}, (32, 2, 2, True)),
+        (1, 16, 128, jnp.bfloat16, {}, (32, 2, True)),  # 64 CTAs: one wave, clusters of a head's 4 blocks
+        (1, 64, 128, jnp.bfloat16, {}, (64, 1, True)),  # 256 CTAs at 32 columns, 128 at 64: one wave
+        (8, 16, 128, jnp.bfloat16, {}, (64, 1, False)),  # 256 CTAs at 64 columns: two waves
+        (8, 16, 128, jnp.float32, {}, (32, 2, False)),  # q_w's lo half leaves no room for 64 columns
+        (8, 16, 128, jnp.bfloat16, {"block_v": 32}, (32, 2, False)),
+        (8, 16, 128, jnp.bfloat16, {"multicast": True, "value_slots": 1}, (64, 1, True)),
+        (2, 80, 64, jnp.bfloat16, {}, (64, 1, False)),
+        (2, 3, 64, jnp.bfloat16, {}, (32, 2, True)),
     ],
 )
 def test_chain_default_options_by_shape(b, h, d, out_dtype, chosen, want):
     assert kda_chain.default_options(b, h, d, out_dtype, sms=132, **chosen) == want
 
 
-def test_chain_one_slot_refuses_an_fp32_output():
-    parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
-    with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
-        kda_chain.chain(*parts, out_dtype=jnp.float32, slots=1)
-
-
 @pytest.mark.parametrize(
     "option, match",
     [
-        (dict(slots=3), "slots must be 1 or 2"),
-        (dict(slots=1, value_slots=2), "value_slots must be 1 or slots = 1"),
+        (dict(value_slots=3), "value_slots must be 1 or 2"),
         (dict(o_products=4), "o_products must be 1, 2 or 3"),
         (dict(multicast=True, block_v=64), "multicast needs 2 to 8 value blocks"),
-        (dict(slots=1, out_dtype=jnp.float32), "out_dtype must be bfloat16"),
     ],
 )
 def test_chunk_scan_refuses_bad_chain_options_before_the_intra_kernel(monkeypatch, option, match):

@@ -33,16 +33,18 @@ def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
 def test_chain_with_one_value_slot_lowers_for_the_gpu(b, t, h, d, multicast):
     """64 value columns, the key tiles in two slots, u and A_qk u in one (221,184 B of SMEM)."""
     scan = lambda *a: kda_chain.chunk_scan(  # noqa: E731
-        *a, out_dtype=jnp.bfloat16, block_v=64, slots=2, value_slots=1, multicast=multicast
+        *a, out_dtype=jnp.bfloat16, block_v=64, value_slots=1, multicast=multicast
     )
     assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 3
 
 
-@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("value_slots", [1, 2])
 @pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 3, 64)])
-def test_chain_with_multicast_lowers_for_the_gpu(b, t, h, d, slots):
+def test_chain_with_multicast_lowers_for_the_gpu(b, t, h, d, value_slots):
     """Clusters of a head's value blocks, TMA multicast and the cluster barrier that frees each slot."""
-    scan = lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16, slots=slots, multicast=True)  # noqa: E731
+    scan = lambda *a: kda_chain.chunk_scan(  # noqa: E731
+        *a, out_dtype=jnp.bfloat16, value_slots=value_slots, multicast=True
+    )
     assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 3
 
 
