@@ -48,7 +48,7 @@ def _pair_value(hi_ref, lo_ref):
 def _chain_kernel(
     w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
     o_ref, s_ref,
-    w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, own,
+    w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, v_halves, o_s,
     arrived, consumed, values_arrived,
     *, n_chunks, o_products, multicast,
 ):
@@ -60,7 +60,6 @@ def _chain_kernel(
     early_values = value_slots < slots
     dk = w_s.shape[-1]
     cols = pl.ds(vb * block_v, block_v)
-    v_halves, o_s = own
 
     u_pairs, au_pairs = ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s)), ((au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s))
 
@@ -193,10 +192,6 @@ def chain(
     _check_options(dv, block_v, value_slots, o_products, multicast)
     if o_products == 3 and qw_lo is None:
         raise ValueError("o_products=3 multiplies q_w's lo half: qw_lo must be an array, got None")
-    own = (
-        tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
-        _operand_smem((c, block_v), out_dtype),  # o on its way out
-    )
     kernel = plgpu.kernel(
         functools.partial(_chain_kernel, n_chunks=padded // c, o_products=o_products, multicast=multicast),
         out_type=(
@@ -211,7 +206,8 @@ def chain(
             *(_key_smem((slots, c, dk), block_v) for _ in range(2)),  # k exp(G_last - G) hi/lo
             *(_key_smem((value_slots, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
             tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
-            own,
+            tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
+            _operand_smem((c, block_v), out_dtype),  # o on its way out
             plgpu.Barrier(num_arrivals=(5 if o_products == 3 else 4) + 4 * (value_slots == slots), num_barriers=slots),
             plgpu.ClusterBarrier(collective_axes=("v",), num_barriers=slots) if multicast else (),
             plgpu.Barrier(num_arrivals=2, num_barriers=2) if value_slots < slots else (),  # u, A_qk u
