@@ -211,8 +211,9 @@ def check_small():
         e_o = relative_error(np.asarray(o.astype(f32))[valid], np.asarray(o_r)[valid])
         e_s = relative_error(s, s_r)
         name = jnp.dtype(dtype).name
-        log(f"B={b} T={t} H={h} D={d} gate={gate} {name} in, lengths={list(map(int, lengths))}: o {e_o:.2e}  state {e_s:.2e}")
-        ROWS.append(("check", "ours small", f"B={b} T={t} H={h} D={d} {gate}", max(e_o, e_s), float("nan"), f"{name} in"))
+        shape = f"B={b} T={t} H={h} D={d}"
+        log(f"{shape} gate={gate} {name} in, lengths={list(map(int, lengths))}: o {e_o:.2e}  state {e_s:.2e}")
+        ROWS.append(("check", "ours small", f"{shape} {gate}", max(e_o, e_s), float("nan"), f"{name} in"))
 
 
 def bench_prefill(configs):

@@ -106,7 +106,7 @@ def main():
     h, d = 64, 128
     for b, x, ref, roof in parts.decode_cases(args.batches, h, d):
         vectors, _ = jax.jit(functools.partial(kda.decode_token_vectors_reference, lower_bound=-5.0))(
-            *(x[n] for n in kda.DECODE_TOKEN_INPUTS)
+            *kda.decode_token_inputs(x)
         )
         for config in args.configs.split(","):
             if config == "model":

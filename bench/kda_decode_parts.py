@@ -54,7 +54,7 @@ def token_vectors_of(x, *, lower_bound):
     state, of a `kda.random_decode_inputs` dict: the reference's token side, beta folded into k and v
     (k = sqrt(beta) k / |k|, v = sqrt(beta) v, beta = 1: the same delta rule)."""
     vectors, conv_state = kda.decode_token_vectors_reference(
-        *(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound
+        *kda.decode_token_inputs(x), lower_bound=lower_bound
     )
     q, k, decay, v = (vectors[:, :, i] for i in range(4))
     return q, k, v, decay, jnp.ones(q.shape[:2], jnp.float32), conv_state

@@ -231,8 +231,10 @@ def decode_update_reference(vectors, state, *, out_dtype):
     return jnp.einsum("bhk,bhkv->bhv", q, state, precision=HIGHEST).astype(out_dtype), state
 
 
-DECODE_TOKEN_INPUTS = ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits")
-"""`kda_decode_step`'s arguments that `decode_token_vectors_reference` takes, in its order."""
+def decode_token_inputs(step_kwargs):
+    """Of `kda_decode_step`'s keyword arguments (a dict, as `random_decode_inputs` makes), those that
+    `decode_token_vectors_reference` and the token kernel take, in their order."""
+    return tuple(step_kwargs[n] for n in ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits"))
 
 
 def random_decode_inputs(key, b, h, d, *, state_scale=1.0):

@@ -188,7 +188,6 @@ def chain(
     dv = u_hi.shape[-1]
     block_v = min(block_v, dv)
     c = CHUNK
-    slots = KEY_SLOTS
     _check_options(dv, block_v, value_slots, o_products, multicast)
     if o_products == 3 and qw_lo is None:
         raise ValueError("o_products=3 multiplies q_w's lo half: qw_lo must be an array, got None")
@@ -201,16 +200,18 @@ def chain(
         **(dict(grid=(h, b), grid_names=("h", "b"), cluster=(dv // block_v,), cluster_names=("v",)) if multicast
            else dict(grid=(dv // block_v, h, b), grid_names=("v", "h", "b"))),
         scratch_types=(
-            *(_key_smem((slots, c, dk), block_v) for _ in range(2)),  # w, q_w hi
-            _key_smem((slots, c, dk), block_v) if o_products == 3 else (),  # q_w lo
-            *(_key_smem((slots, c, dk), block_v) for _ in range(2)),  # k exp(G_last - G) hi/lo
+            *(_key_smem((KEY_SLOTS, c, dk), block_v) for _ in range(2)),  # w, q_w hi
+            _key_smem((KEY_SLOTS, c, dk), block_v) if o_products == 3 else (),  # q_w lo
+            *(_key_smem((KEY_SLOTS, c, dk), block_v) for _ in range(2)),  # k exp(G_last - G) hi/lo
             *(_key_smem((value_slots, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
             tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
             tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
             _operand_smem((c, block_v), out_dtype),  # o on its way out
-            plgpu.Barrier(num_arrivals=(5 if o_products == 3 else 4) + 4 * (value_slots == slots), num_barriers=slots),
-            plgpu.ClusterBarrier(collective_axes=("v",), num_barriers=slots) if multicast else (),
-            plgpu.Barrier(num_arrivals=2, num_barriers=2) if value_slots < slots else (),  # u, A_qk u
+            plgpu.Barrier(
+                num_arrivals=(5 if o_products == 3 else 4) + 4 * (value_slots == KEY_SLOTS), num_barriers=KEY_SLOTS
+            ),
+            plgpu.ClusterBarrier(collective_axes=("v",), num_barriers=KEY_SLOTS) if multicast else (),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2) if value_slots < KEY_SLOTS else (),  # u, A_qk u
         ),
         # No automatic barriers (Mosaic GPU puts one before every TMA fetch and on both sides of every
         # register store to SMEM): the kernel's own commit_smem and wait_smem_to_gmem order each reuse

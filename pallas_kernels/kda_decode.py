@@ -10,8 +10,8 @@ step, seventeenth).
 
 The token side (conv, SiLU, norms, gate, beta) runs before, in `kda_triton.token_vectors`: fused in
 here, one channel per thread, the step ran at 53-63% of the roofline whether each slab's CTA or one
-CTA per head computed it (bench/RESULTS.md, eighteenth session). Apart, it takes 0.016 / 0.052 ms
-at batch 64 / 256 (H = 64, D = 128), the step 81-83% of the roofline in all.
+CTA per head computed it (bench/RESULTS.md, eighteenth session). Apart, it takes 0.015 / 0.050 ms
+at batch 64 / 256 (H = 64, D = 128), the step 82-84% of the roofline in all (nineteenth session).
 """
 
 import jax

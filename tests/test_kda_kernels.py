@@ -316,8 +316,7 @@ def test_fused_triton_decode_step_at_the_mosaic_head_dims(b, h, d, block_v):
 def test_the_two_kernel_references_compose_to_the_step_reference(lower_bound, b, h, d):
     """The token vectors' and the update's references, one after the other, give the step's."""
     x = kda.random_decode_inputs(jax.random.key(d + h + 7), b, h, d)
-    token_inputs = (x[n] for n in kda.DECODE_TOKEN_INPUTS)
-    vectors, conv_state = kda.decode_token_vectors_reference(*token_inputs, lower_bound=lower_bound)
+    vectors, conv_state = kda.decode_token_vectors_reference(*kda.decode_token_inputs(x), lower_bound=lower_bound)
     o, state = kda.decode_update_reference(vectors, x["state"], out_dtype=jnp.float32)
     o_want, conv_want, state_want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
     np.testing.assert_array_equal(conv_state, conv_want)
@@ -330,8 +329,8 @@ def test_the_two_kernel_references_compose_to_the_step_reference(lower_bound, b,
 def test_decode_token_vectors_match_the_reference(lower_bound, b, h, d):
     """`kda_triton.token_vectors`: conv, norms, gate and beta against their reference."""
     x = kda.random_decode_inputs(jax.random.key(d + h), b, h, d)
-    got = kda_triton.token_vectors(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound, interpret=True)
-    want = kda.decode_token_vectors_reference(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=lower_bound)
+    got = kda_triton.token_vectors(*kda.decode_token_inputs(x), lower_bound=lower_bound, interpret=True)
+    want = kda.decode_token_vectors_reference(*kda.decode_token_inputs(x), lower_bound=lower_bound)
     np.testing.assert_array_equal(got[1], want[1])
     assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
     for i, name in enumerate(["q", "sqrt(beta) k", "decay", "sqrt(beta) v"]):
@@ -343,7 +342,7 @@ def test_decode_update_matches_the_reference(b, h, d, block_v):
     """`kda_decode.update_state` (the Mosaic GPU kernel) against its reference, the state updated in
     place under jit with donation."""
     x = kda.random_decode_inputs(jax.random.key(b * h + d), b, h, d)
-    vectors, _ = kda.decode_token_vectors_reference(*(x[n] for n in kda.DECODE_TOKEN_INPUTS), lower_bound=-5.0)
+    vectors, _ = kda.decode_token_vectors_reference(*kda.decode_token_inputs(x), lower_bound=-5.0)
     update = jax.jit(
         functools.partial(kda_decode.update_state, out_dtype=jnp.float32, block_v=block_v, interpret=True),
         donate_argnums=1,

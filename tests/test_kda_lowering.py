@@ -20,7 +20,8 @@ def lowered_calls(fn, *args):
 @pytest.mark.parametrize(
     "b, t, h, d",
     # (2, 130, 80, 64): over one wave, so 64 value columns in one slot of u and A_qk u by default
-    [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128), (1, 70, 3, 64), (1, 70, 5, 64), (2, 130, 80, 64)],
+    [(1, 16384, 16, 128), (2, 130, 2, 64), (3, 1, 1, 64), (1, 200, 4, 128), (1, 70, 3, 64), (1, 70, 5, 64),
+     (2, 130, 80, 64)],
 )
 def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
     args = kda_chain.scan_arg_shapes(b, t, h, d)
