@@ -76,10 +76,10 @@ def main():
                     bench.log(f"  pieces {pieces} stream {int(stream)}: {ms:.3f} ms  |do| {do:.2e} |ds| {ds:.2e}")
                 except Exception as e:  # a probe: report and go on
                     bench.log(f"  pieces {pieces} stream {int(stream)}: failed {type(e).__name__}: {str(e)[:300]}")
-                    if args.print_hlo and pieces == 2 and stream:
-                        text = fn.lower(q, k, v, g, beta, s0, lengths).compile().as_text()
-                        lines = [line.strip()[:160] for line in text.splitlines() if "async" in line or "_xla_stream" in line]
-                        bench.log("\n".join(lines[:20]) or "  (no async or stream-annotated instructions)")
+                if args.print_hlo and pieces == 2 and stream:
+                    text = fn.lower(q, k, v, g, beta, s0, lengths).compile().as_text()
+                    lines = [line.strip()[:160] for line in text.splitlines() if "async" in line or "_xla_stream" in line]
+                    bench.log("\n".join(lines[:20]) or "  (no async or stream-annotated instructions)")
 
 
 if __name__ == "__main__":

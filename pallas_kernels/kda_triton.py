@@ -99,8 +99,10 @@ def decode_step(
     there), where the two-kernel step (`kda_decode`) reaches 80-83%; with less than 64 MiB of
     state, or at D = 64, it is the faster of the two. The slab update alone reaches 87-89%. What
     holds it there is the launch: XLA launches it preferring shared memory (228 KiB, by ncu), which
-    leaves 28 KiB of L1 for this kernel's loads; the same program launched by the triton package runs at 93-95% with the
-    driver's default split and at 85-86% with XLA's (bench/kda_decode_torch.py)."""
+    leaves 28 KiB of L1 for this kernel's loads; the same program launched by the triton package
+    runs at 93-95% with the driver's default split and at 85-86% with XLA's
+    (bench/kda_decode_torch.py). The preference is set on the kernel: the CUDA context's does not
+    move it (bench/kda_decode_launch.py)."""
     b, h, _, dv = state.shape
     block_v = min(block_v, dv)
     kernel = pl.pallas_call(
