@@ -14,13 +14,15 @@ CTA per head computed it (bench/RESULTS.md, eighteenth session). Apart, it takes
 at batch 64 / 256 (H = 64, D = 128), the step 82-84% of the roofline in all (nineteenth session).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import kda_triton
+from pallas_kernels import kda_intra, kda_triton
 
 BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md, sixteenth session)
 HEAD_DIMS = (64, 128)  # dk: the WGMMA layout's 64-row tiles
@@ -122,3 +124,167 @@ def decode_step(
     )
     o, state = update_state(vectors, state, out_dtype=qkv.dtype, block_v=block_v, interpret=interpret)
     return o, conv_state, state
+
+
+def default_programs(heads_total, *, sms=132, per_sm=2):
+    """The persistent step's CTA count: the largest divisor of B * H up to `per_sm` CTAs on each SM
+    (two fit an SM at 4 stages of 32-column slabs), so that every CTA walks the same number of heads."""
+    return max(n for n in range(1, min(heads_total, sms * per_sm) + 1) if heads_total % n == 0)
+
+
+def _sum_of(ref):
+    """The sum of a [n] fp32 vector in shared memory, read in full by every thread: Mosaic GPU reduces
+    a vector to a scalar through a scratch buffer of the kernel's, which its lowering refuses with two
+    warpgroups. A tree of independent loads, not a chain."""
+    terms = [ref[i] for i in range(ref.shape[0])]
+    while len(terms) > 1:
+        terms = [a + b for a, b in zip(terms[::2], terms[1::2])]
+    return terms[0]
+
+
+def _token_side(inputs, conv_out_ref, rows_smem, v_smem, squares_smem, b, h, *, lower_bound):
+    """One head's vectors into a slot (the token warpgroup, one channel a thread): rows_smem [3, d]
+    gets q (normalised, scaled), sqrt(beta) k (k normalised) and the decay, v_smem [d] sqrt(beta) v,
+    as `kda.decode_token_vectors_reference`; the head's new conv state goes to conv_out_ref."""
+    qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref = inputs
+    d, taps = v_smem.shape[0], weight_ref.shape[0]
+    chans = pl.ds(h * d, d)
+
+    def conv_silu(part):
+        window = [conv_ref[b, part, chans, j] for j in range(1, taps)] + [qkv_ref[b, part, chans]]
+        for j, x in enumerate(window):
+            conv_out_ref[b, part, chans, j] = x
+        y = sum(x.astype(_F32) * weight_ref[j, part, chans] for j, x in enumerate(window))
+        return kda_triton.silu_as(y, qkv_ref.dtype)
+
+    q, k, v = (conv_silu(part) for part in range(3))
+    squares_smem[0] = q * q
+    squares_smem[1] = k * k
+    decay, beta = kda_triton.decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, chans, lower_bound)
+    plgpu.commit_smem()  # the squares, written one a thread, are summed by every thread
+    root_beta = jnp.sqrt(beta)
+    rows_smem[0] = q * (d**-0.5 / jnp.sqrt(_sum_of(squares_smem.at[0]) + kda_intra.L2_EPS))
+    rows_smem[1] = k * (root_beta / jnp.sqrt(_sum_of(squares_smem.at[1]) + kda_intra.L2_EPS))
+    rows_smem[2] = decay
+    v_smem[...] = v * root_beta
+
+
+def _fused_kernel(*refs, heads, programs, lower_bound):
+    inputs, (state_ref, o_ref, conv_out_ref) = refs[:7], refs[7:10]
+    slabs, o_smem, rows_smem, v_smem, squares_smem, loaded, ready, free = refs[10:]
+    p, wg = lax.axis_index("p"), lax.axis_index("wg")
+    stages, dk, block_v = slabs.shape
+    n_cols = state_ref.shape[-1] // block_v
+    own = state_ref.shape[0] * heads // programs  # heads this CTA walks: p, p + programs, ...
+
+    def batch_and_head(i):
+        j = p + i * programs
+        return j // heads, j % heads
+
+    @pl.when(wg == 0)
+    def _token_warpgroup():
+        @pl.loop(0, own)
+        def _(i):
+            slot = i % 2
+
+            @pl.when(i >= 2)
+            def _():
+                plgpu.barrier_wait(free.at[slot])  # the state warpgroup is done with head i - 2's vectors
+
+            b, h = batch_and_head(i)
+            _token_side(inputs, conv_out_ref, rows_smem.at[slot], v_smem.at[slot], squares_smem, b, h,
+                        lower_bound=lower_bound)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ready.at[slot])
+
+    @pl.when(wg == 1)
+    def _state_warpgroup():
+        total = own * n_cols  # slabs, a head's value blocks fastest
+
+        def slab(t):
+            b, h = batch_and_head(t // n_cols)
+            return b, h, pl.ds(t % n_cols * block_v, block_v)
+
+        def fetch(t):
+            b, h, cols = slab(t)
+            plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, cols], slabs.at[t % stages], loaded.at[t % stages])
+
+        for t in range(min(stages, total)):
+            fetch(t)
+
+        @pl.loop(0, total)
+        def _(t):
+            i, c, stage, slot = t // n_cols, t % n_cols, t % stages, t // n_cols % 2
+
+            @pl.when(c == 0)
+            def _():
+                plgpu.barrier_wait(ready.at[slot])
+
+            plgpu.barrier_wait(loaded.at[stage])
+            update_slab(slabs.at[stage], rows_smem.at[slot], v_smem.at[slot, pl.ds(c * block_v, block_v)],
+                        o_smem.at[stage])
+            plgpu.commit_smem()
+
+            @pl.when((c == n_cols - 1) & (i + 2 < own))  # the interpreter wants every arrival waited for
+            def _():
+                plgpu.barrier_arrive(free.at[slot])
+
+            b, h, cols = slab(t)
+            plgpu.copy_smem_to_gmem(slabs.at[stage], state_ref.at[b, h, :, cols], commit_group=False)
+            plgpu.copy_smem_to_gmem(o_smem.at[stage], o_ref.at[b, h, cols])
+
+            # The previous slab's buffer is free once its store has read it: refill it.
+            @pl.when((t >= 1) & (t - 1 + stages < total))
+            def _():
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                fetch(t - 1 + stages)
+
+        plgpu.wait_smem_to_gmem(0)
+
+
+def fused_step(
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V, stages=4,
+    programs=None, interpret=False,
+):
+    """The one-token KDA step in one warp-specialised launch; shapes and results as
+    `kda.kda_decode_step` (checked there), head dim 128. The state is updated in place (donate it
+    under jit, or XLA copies it first).
+
+    Persistent CTAs (`programs`, a divisor of B * H; `default_programs` if None) each walk every
+    programs-th head with two warpgroups. The token warpgroup computes a head's vectors (conv, SiLU,
+    norms, gate, beta, one channel a thread; the new conv state written out) into one of two slots
+    while the state warpgroup streams the previous head's [dk, block_v] slabs through `stages` TMA
+    buffers, each refilled as soon as its store has read it, across heads. The token side so runs
+    beside the stream: computed before each head's update in the same warpgroup it held the fused
+    Mosaic GPU step at 53-63% of the roofline (bench/RESULTS.md, eighteenth session)."""
+    b, h, dk, dv = state.shape
+    if dk not in STEP_HEAD_DIMS or dv != dk or block_v not in (32, 64) or stages < 2:
+        raise ValueError(f"fused_step takes dk = dv in {STEP_HEAD_DIMS}, block_v in (32, 64) and stages >= 2; got"
+                         f" dk = {dk}, dv = {dv}, block_v = {block_v}, stages = {stages}")
+    programs = default_programs(b * h) if programs is None else programs
+    if programs < 1 or (b * h) % programs:
+        raise ValueError(f"programs must divide B * H = {b * h}, got {programs}")
+    kernel = plgpu.kernel(
+        functools.partial(_fused_kernel, heads=h, programs=programs, lower_bound=lower_bound),
+        out_type=(jax.ShapeDtypeStruct((b, h, dv), qkv.dtype), jax.ShapeDtypeStruct(conv_state.shape, qkv.dtype)),
+        grid=(programs,),
+        grid_names=("p",),
+        num_threads=2,
+        thread_name="wg",
+        scratch_types=(
+            plgpu.SMEM((stages, dk, block_v), _F32, transforms=SLAB_TRANSFORMS),
+            plgpu.SMEM((stages, block_v), qkv.dtype),
+            plgpu.SMEM((2, 3, dk), _F32),
+            plgpu.SMEM((2, dv), _F32),
+            plgpu.SMEM((2, dk), _F32),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        ),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret if not isinstance(interpret, bool) else (plgpu.InterpretGPUParams() if interpret else None),
+        kernel_name="kda_decode_fused_step",
+    )
+    state = jax.new_ref(state)
+    o, conv_state = kernel(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state)
+    return o, conv_state, jax.freeze(state)
