@@ -364,15 +364,17 @@ def bench_decode(hbm, variants, d=128):
                         token_warps=token_warps, interpret=INTERPRET,
                     )
             elif variant[0] == "fused":
-                block_v, stages, programs = variant[1:]
+                block_v, stages, programs, side = variant[1:]
+                sides = ("token", "state") if side is None else (side,)
                 name = (f"ours kda_decode_step (one warp-specialised Mosaic GPU launch) block_v={block_v} stages={stages}"
-                        f" programs={programs or kda_decode.default_programs(b * h)}")
+                        f" programs={programs or kda_decode.default_programs(b * h)}"
+                        + ("" if side is None else f" ({side} warpgroup alone, a probe)"))
                 kernels = "kda_decode_fused_step"
 
-                def call(conv_state, state, block_v=block_v, stages=stages, programs=programs):
+                def call(conv_state, state, block_v=block_v, stages=stages, programs=programs, sides=sides):
                     return kda_decode.fused_step(
                         conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, stages=stages,
-                        programs=programs, interpret=INTERPRET,
+                        programs=programs, sides=sides, interpret=INTERPRET,
                     )
             else:
                 block_v, warps = variant  # decode_step takes min(block_v, d)
@@ -450,14 +452,14 @@ def torch_chain_ms(fn, n=20, reps=7):
 
 def decode_variant(text):
     """'64x4' -> (64, 4): the fused Triton step; 'm32w2' -> ('mosaic', 32, 2): the two-kernel step;
-    'f32s4p128' -> ('fused', 32, 4, 128): the warp-specialised Mosaic GPU step (stages 4 and the default
-    programs if left out)."""
+    'f32s4p128' -> ('fused', 32, 4, 128, None): the warp-specialised Mosaic GPU step (stages 4 and the
+    default programs if left out); 'f32:token' or 'f32:state' times that warpgroup's work alone."""
     if text.startswith("f"):
-        match = re.fullmatch(r"f(\d+)(?:s(\d+))?(?:p(\d+))?", text)
+        match = re.fullmatch(r"f(\d+)(?:s(\d+))?(?:p(\d+))?(?::(token|state))?", text)
         if match is None:
-            raise argparse.ArgumentTypeError(f"bad fused decode variant {text!r}: f<block_v>[s<stages>][p<programs>]")
-        block_v, stages, programs = match.groups()
-        return "fused", int(block_v), int(stages or 4), programs and int(programs)
+            raise argparse.ArgumentTypeError(f"bad fused decode variant {text!r}: f<block_v>[s<stages>][p<programs>][:token|:state]")
+        block_v, stages, programs, side = match.groups()
+        return "fused", int(block_v), int(stages or 4), programs and int(programs), side
     if text.startswith("m"):
         block_v, _, warps = text[1:].partition("w")
         return "mosaic", int(block_v), int(warps or 4)

@@ -145,22 +145,24 @@ def _sum_of(ref):
 def _token_side(inputs, conv_out_ref, rows_smem, v_smem, squares_smem, b, h, *, lower_bound):
     """One head's vectors into a slot (the token warpgroup, one channel a thread): rows_smem [3, d]
     gets q (normalised, scaled), sqrt(beta) k (k normalised) and the decay, v_smem [d] sqrt(beta) v,
-    as `kda.decode_token_vectors_reference`; the head's new conv state goes to conv_out_ref."""
+    as `kda.decode_token_vectors_reference`; the head's new conv state goes to conv_out_ref. Every
+    load comes before the first store: the compiler cannot move a load above a store to global
+    memory that might alias it, and each such order costs a round trip to HBM."""
     qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref = inputs
     d, taps = v_smem.shape[0], weight_ref.shape[0]
     chans = pl.ds(h * d, d)
-
-    def conv_silu(part):
-        window = [conv_ref[b, part, chans, j] for j in range(1, taps)] + [qkv_ref[b, part, chans]]
+    windows = [[conv_ref[b, part, chans, j] for j in range(1, taps)] + [qkv_ref[b, part, chans]] for part in range(3)]
+    weights = [[weight_ref[j, part, chans] for j in range(taps)] for part in range(3)]
+    decay, beta = kda_triton.decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, chans, lower_bound)
+    for part, window in enumerate(windows):
         for j, x in enumerate(window):
             conv_out_ref[b, part, chans, j] = x
-        y = sum(x.astype(_F32) * weight_ref[j, part, chans] for j, x in enumerate(window))
-        return kda_triton.silu_as(y, qkv_ref.dtype)
-
-    q, k, v = (conv_silu(part) for part in range(3))
+    q, k, v = (
+        kda_triton.silu_as(sum(x.astype(_F32) * w for x, w in zip(window, ws)), qkv_ref.dtype)
+        for window, ws in zip(windows, weights)
+    )
     squares_smem[0] = q * q
     squares_smem[1] = k * k
-    decay, beta = kda_triton.decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, chans, lower_bound)
     plgpu.commit_smem()  # the squares, written one a thread, are summed by every thread
     root_beta = jnp.sqrt(beta)
     rows_smem[0] = q * (d**-0.5 / jnp.sqrt(_sum_of(squares_smem.at[0]) + kda_intra.L2_EPS))
@@ -169,7 +171,7 @@ def _token_side(inputs, conv_out_ref, rows_smem, v_smem, squares_smem, b, h, *, 
     v_smem[...] = v * root_beta
 
 
-def _fused_kernel(*refs, heads, programs, lower_bound):
+def _fused_kernel(*refs, heads, programs, lower_bound, sides):
     inputs, (state_ref, o_ref, conv_out_ref) = refs[:7], refs[7:10]
     slabs, o_smem, rows_smem, v_smem, squares_smem, loaded, ready, free = refs[10:]
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
@@ -181,24 +183,32 @@ def _fused_kernel(*refs, heads, programs, lower_bound):
         j = p + i * programs
         return j // heads, j % heads
 
+    both = set(sides) == {"token", "state"}
+
     @pl.when(wg == 0)
     def _token_warpgroup():
+        if "token" not in sides:
+            return
+
         @pl.loop(0, own)
         def _(i):
             slot = i % 2
-
-            @pl.when(i >= 2)
-            def _():
-                plgpu.barrier_wait(free.at[slot])  # the state warpgroup is done with head i - 2's vectors
+            if both:
+                @pl.when(i >= 2)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])  # the state warpgroup is done with head i - 2's vectors
 
             b, h = batch_and_head(i)
             _token_side(inputs, conv_out_ref, rows_smem.at[slot], v_smem.at[slot], squares_smem, b, h,
                         lower_bound=lower_bound)
             plgpu.commit_smem()
-            plgpu.barrier_arrive(ready.at[slot])
+            if both:
+                plgpu.barrier_arrive(ready.at[slot])
 
     @pl.when(wg == 1)
     def _state_warpgroup():
+        if "state" not in sides:
+            return
         total = own * n_cols  # slabs, a head's value blocks fastest
 
         def slab(t):
@@ -216,18 +226,20 @@ def _fused_kernel(*refs, heads, programs, lower_bound):
         def _(t):
             i, c, stage, slot = t // n_cols, t % n_cols, t % stages, t // n_cols % 2
 
-            @pl.when(c == 0)
-            def _():
-                plgpu.barrier_wait(ready.at[slot])
+            if both:
+                @pl.when(c == 0)
+                def _():
+                    plgpu.barrier_wait(ready.at[slot])
 
             plgpu.barrier_wait(loaded.at[stage])
             update_slab(slabs.at[stage], rows_smem.at[slot], v_smem.at[slot, pl.ds(c * block_v, block_v)],
                         o_smem.at[stage])
             plgpu.commit_smem()
 
-            @pl.when((c == n_cols - 1) & (i + 2 < own))  # the interpreter wants every arrival waited for
-            def _():
-                plgpu.barrier_arrive(free.at[slot])
+            if both:
+                @pl.when((c == n_cols - 1) & (i + 2 < own))  # the interpreter wants every arrival waited for
+                def _():
+                    plgpu.barrier_arrive(free.at[slot])
 
             b, h, cols = slab(t)
             plgpu.copy_smem_to_gmem(slabs.at[stage], state_ref.at[b, h, :, cols], commit_group=False)
@@ -244,7 +256,7 @@ def _fused_kernel(*refs, heads, programs, lower_bound):
 
 def fused_step(
     qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V, stages=4,
-    programs=None, interpret=False,
+    programs=None, sides=("token", "state"), interpret=False,
 ):
     """The one-token KDA step in one warp-specialised launch; shapes and results as
     `kda.kda_decode_step` (checked there), head dim 128. The state is updated in place (donate it
@@ -256,7 +268,10 @@ def fused_step(
     while the state warpgroup streams the previous head's [dk, block_v] slabs through `stages` TMA
     buffers, each refilled as soon as its store has read it, across heads. The token side so runs
     beside the stream: computed before each head's update in the same warpgroup it held the fused
-    Mosaic GPU step at 53-63% of the roofline (bench/RESULTS.md, eighteenth session)."""
+    Mosaic GPU step at 53-63% of the roofline (bench/RESULTS.md, eighteenth session).
+
+    `sides` is for timing one warpgroup's work alone (bench/kda.py): ("token",) leaves the state
+    warpgroup idle, ("state",) updates the state from whatever the slots hold."""
     b, h, dk, dv = state.shape
     if dk not in STEP_HEAD_DIMS or dv != dk or block_v not in (32, 64) or stages < 2:
         raise ValueError(f"fused_step takes dk = dv in {STEP_HEAD_DIMS}, block_v in (32, 64) and stages >= 2; got"
@@ -265,7 +280,7 @@ def fused_step(
     if programs < 1 or (b * h) % programs:
         raise ValueError(f"programs must divide B * H = {b * h}, got {programs}")
     kernel = plgpu.kernel(
-        functools.partial(_fused_kernel, heads=h, programs=programs, lower_bound=lower_bound),
+        functools.partial(_fused_kernel, heads=h, programs=programs, lower_bound=lower_bound, sides=tuple(sides)),
         out_type=(jax.ShapeDtypeStruct((b, h, dv), qkv.dtype), jax.ShapeDtypeStruct(conv_state.shape, qkv.dtype)),
         grid=(programs,),
         grid_names=("p",),
@@ -282,7 +297,7 @@ def fused_step(
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=interpret if not isinstance(interpret, bool) else (plgpu.InterpretGPUParams() if interpret else None),
+        interpret=plgpu.InterpretGPUParams() if interpret is True else interpret or None,
         kernel_name="kda_decode_fused_step",
     )
     state = jax.new_ref(state)
