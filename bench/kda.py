@@ -365,6 +365,7 @@ def bench_decode(hbm, variants, d=128):
                     )
             elif variant[0] == "fused":
                 block_v, stages, programs, side = variant[1:]
+                stages = stages or 3  # fused_step's default
                 sides = ("token", "state") if side is None else (side,)
                 name = (f"ours kda_decode_step (one warp-specialised Mosaic GPU launch) block_v={block_v} stages={stages}"
                         f" programs={programs or kda_decode.default_programs(b * h)}"
@@ -452,14 +453,14 @@ def torch_chain_ms(fn, n=20, reps=7):
 
 def decode_variant(text):
     """'64x4' -> (64, 4): the fused Triton step; 'm32w2' -> ('mosaic', 32, 2): the two-kernel step;
-    'f32s4p128' -> ('fused', 32, 4, 128, None): the warp-specialised Mosaic GPU step (stages 4 and the
-    default programs if left out); 'f32:token' or 'f32:state' times that warpgroup's work alone."""
+    'f32s3p128' -> ('fused', 32, 3, 128, None): the warp-specialised Mosaic GPU step (its default stages
+    and programs where left out); 'f32:token' or 'f32:state' times that warpgroup's work alone."""
     if text.startswith("f"):
         match = re.fullmatch(r"f(\d+)(?:s(\d+))?(?:p(\d+))?(?::(token|state))?", text)
         if match is None:
             raise argparse.ArgumentTypeError(f"bad fused decode variant {text!r}: f<block_v>[s<stages>][p<programs>][:token|:state]")
         block_v, stages, programs, side = match.groups()
-        return "fused", int(block_v), int(stages or 4), programs and int(programs), side
+        return "fused", int(block_v), stages and int(stages), programs and int(programs), side
     if text.startswith("m"):
         block_v, _, warps = text[1:].partition("w")
         return "mosaic", int(block_v), int(warps or 4)

@@ -126,9 +126,9 @@ def decode_step(
     return o, conv_state, state
 
 
-def default_programs(heads_total, *, sms=132, per_sm=2):
+def default_programs(heads_total, *, sms=132, per_sm=1):
     """The persistent step's CTA count: the largest divisor of B * H up to `per_sm` CTAs on each SM
-    (two fit an SM at 4 stages of 32-column slabs), so that every CTA walks the same number of heads."""
+    (one fits at 3 heads' buffers of 64 KiB), so that every CTA walks the same number of heads."""
     return max(n for n in range(1, min(heads_total, sms * per_sm) + 1) if heads_total % n == 0)
 
 
@@ -175,7 +175,7 @@ def _fused_kernel(*refs, heads, programs, lower_bound, sides):
     inputs, (state_ref, o_ref, conv_out_ref) = refs[:7], refs[7:10]
     slabs, o_smem, rows_smem, v_smem, squares_smem, loaded, ready, free = refs[10:]
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
-    stages, dk, block_v = slabs.shape
+    stages, _, dk, block_v = slabs.shape
     n_cols = state_ref.shape[-1] // block_v
     own = state_ref.shape[0] * heads // programs  # heads this CTA walks: p, p + programs, ...
 
@@ -209,53 +209,46 @@ def _fused_kernel(*refs, heads, programs, lower_bound, sides):
     def _state_warpgroup():
         if "state" not in sides:
             return
-        total = own * n_cols  # slabs, a head's value blocks fastest
 
-        def slab(t):
-            b, h = batch_and_head(t // n_cols)
-            return b, h, pl.ds(t % n_cols * block_v, block_v)
+        def fetch(i):
+            # A head's slabs all at once: its 512-byte rows are then read together, not a quarter at a
+            # time a few microseconds apart (slab by slab, the stream alone ran at 78-81%).
+            b, h = batch_and_head(i)
+            for c in range(n_cols):
+                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, pl.ds(c * block_v, block_v)], slabs.at[i % stages, c],
+                                        loaded.at[i % stages])
 
-        def fetch(t):
-            b, h, cols = slab(t)
-            plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, cols], slabs.at[t % stages], loaded.at[t % stages])
+        for i in range(min(stages, own)):
+            fetch(i)
 
-        for t in range(min(stages, total)):
-            fetch(t)
-
-        @pl.loop(0, total)
-        def _(t):
-            i, c, stage, slot = t // n_cols, t % n_cols, t % stages, t // n_cols % 2
-
+        @pl.loop(0, own)
+        def _(i):
+            stage, slot = i % stages, i % 2
+            b, h = batch_and_head(i)
             if both:
-                @pl.when(c == 0)
-                def _():
-                    plgpu.barrier_wait(ready.at[slot])
-
+                plgpu.barrier_wait(ready.at[slot])
             plgpu.barrier_wait(loaded.at[stage])
-            update_slab(slabs.at[stage], rows_smem.at[slot], v_smem.at[slot, pl.ds(c * block_v, block_v)],
-                        o_smem.at[stage])
-            plgpu.commit_smem()
-
+            for c in range(n_cols):
+                cols = pl.ds(c * block_v, block_v)
+                update_slab(slabs.at[stage, c], rows_smem.at[slot], v_smem.at[slot, cols], o_smem.at[cols])
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(slabs.at[stage, c], state_ref.at[b, h, :, cols])
             if both:
-                @pl.when((c == n_cols - 1) & (i + 2 < own))  # the interpreter wants every arrival waited for
+                @pl.when(i + 2 < own)  # the interpreter wants every arrival waited for
                 def _():
                     plgpu.barrier_arrive(free.at[slot])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this head's buffers and o_smem are free again
 
-            b, h, cols = slab(t)
-            plgpu.copy_smem_to_gmem(slabs.at[stage], state_ref.at[b, h, :, cols], commit_group=False)
-            plgpu.copy_smem_to_gmem(o_smem.at[stage], o_ref.at[b, h, cols])
-
-            # The previous slab's buffer is free once its store has read it: refill it.
-            @pl.when((t >= 1) & (t - 1 + stages < total))
+            @pl.when(i + stages < own)
             def _():
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                fetch(t - 1 + stages)
+                fetch(i + stages)
 
         plgpu.wait_smem_to_gmem(0)
 
 
 def fused_step(
-    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V, stages=4,
+    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V, stages=3,
     programs=None, sides=("token", "state"), interpret=False,
 ):
     """The one-token KDA step in one warp-specialised launch; shapes and results as
@@ -265,10 +258,12 @@ def fused_step(
     Persistent CTAs (`programs`, a divisor of B * H; `default_programs` if None) each walk every
     programs-th head with two warpgroups. The token warpgroup computes a head's vectors (conv, SiLU,
     norms, gate, beta, one channel a thread; the new conv state written out) into one of two slots
-    while the state warpgroup streams the previous head's [dk, block_v] slabs through `stages` TMA
-    buffers, each refilled as soon as its store has read it, across heads. The token side so runs
-    beside the stream: computed before each head's update in the same warpgroup it held the fused
-    Mosaic GPU step at 53-63% of the roofline (bench/RESULTS.md, eighteenth session).
+    while the state warpgroup updates the previous head, whose [dk, block_v] slabs were loaded by
+    TMA into one of `stages` head buffers (64 KiB each) while earlier heads were updated.
+
+    On the H200 (bench/RESULTS.md, twenty-first session) it runs at 78% / 82% of the state-bytes
+    roofline at B = 64 / 256 (H = 64), the state warpgroup alone at 83%: behind the two kernels
+    (`decode_step`, 82% / 84%), whose one-slab CTAs, many on each SM, keep more slabs in flight.
 
     `sides` is for timing one warpgroup's work alone (bench/kda.py): ("token",) leaves the state
     warpgroup idle, ("state",) updates the state from whatever the slots hold."""
@@ -287,12 +282,12 @@ def fused_step(
         num_threads=2,
         thread_name="wg",
         scratch_types=(
-            plgpu.SMEM((stages, dk, block_v), _F32, transforms=SLAB_TRANSFORMS),
-            plgpu.SMEM((stages, block_v), qkv.dtype),
+            plgpu.SMEM((stages, dv // block_v, dk, block_v), _F32, transforms=SLAB_TRANSFORMS),
+            plgpu.SMEM((dv,), qkv.dtype),
             plgpu.SMEM((2, 3, dk), _F32),
             plgpu.SMEM((2, dv), _F32),
             plgpu.SMEM((2, dk), _F32),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=dv // block_v, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
         ),
