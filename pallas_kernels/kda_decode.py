@@ -197,7 +197,7 @@ def _fused_kernel(*refs, heads, programs, state_warpgroups, lower_bound, sides):
             if both:
                 @pl.when(i >= 2)
                 def _():
-                    plgpu.barrier_wait(free.at[slot])  # the state warpgroup is done with head i - 2's vectors
+                    plgpu.barrier_wait(free.at[slot])  # the state warpgroups are done with head i - 2's vectors
 
             b, h = batch_and_head(i)
             _token_side(inputs, conv_out_ref, rows_smem.at[slot], v_smem.at[slot], squares_smem, b, h,
