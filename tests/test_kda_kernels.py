@@ -368,17 +368,16 @@ def test_decode_update_refuses_unsupported_shapes():
         kda_decode.update_state(vectors.astype(jnp.bfloat16), state, out_dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize(
-    "b, h, launch",
+    "b, h, lower_bound, launch",
     [
-        (2, 3, dict(programs=2)),  # 3 heads a CTA: the token slots and head buffers reused
-        (1, 5, dict(programs=1, stages=2, state_warpgroups=4)),  # one slab a state warpgroup
-        (2, 4, dict(programs=8, block_v=64)),  # one head a CTA
-        (2, 3, dict(programs=3, stages=2, state_warpgroups=1)),
+        (2, 3, -5.0, dict(programs=2)),  # 3 heads a CTA: the token slots and head buffers reused
+        (1, 5, None, dict(programs=1, stages=2, state_warpgroups=4)),  # one slab a state warpgroup
+        (2, 4, None, dict(programs=8, block_v=64)),  # one head a CTA
+        (2, 3, -5.0, dict(programs=3, stages=2, state_warpgroups=1)),
     ],
 )
-def test_fused_decode_step_matches_reference(lower_bound, b, h, launch):
+def test_fused_decode_step_matches_reference(b, h, lower_bound, launch):
     """`kda_decode.fused_step` (one warp-specialised launch; not dispatched) in the interpreter, its
     race detector on: the barriers between the token and state warpgroups and around the head
     buffers leave no shared-memory race (remove one and it reports one)."""
