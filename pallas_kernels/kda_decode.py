@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import kda_intra, kda_triton
+from pallas_kernels import kda_chain, kda_intra, kda_triton
 
 BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md, sixteenth session)
 HEAD_DIMS = (64, 128)  # dk: the WGMMA layout's 64-row tiles
@@ -127,10 +127,11 @@ def decode_step(
     return o, conv_state, state
 
 
-def default_programs(heads_total, *, sms=132, per_sm=1):
-    """The persistent step's CTA count: the largest divisor of B * H up to `per_sm` CTAs on each SM
-    (one fits at 3 heads' buffers of 64 KiB), so that every CTA walks the same number of heads."""
-    return max(n for n in range(1, min(heads_total, sms * per_sm) + 1) if heads_total % n == 0)
+def _default_programs(heads_total):
+    """The persistent step's CTA count: the largest divisor of B * H up to one CTA an SM (one fits at
+    3 heads' buffers of 64 KiB), so that every CTA walks the same number of heads."""
+    sms = kda_chain.sm_count()
+    return max(n for n in range(1, min(heads_total, sms) + 1) if heads_total % n == 0)
 
 
 def _sum_of(ref):
@@ -267,7 +268,7 @@ def fused_step(
     `kda.kda_decode_step` (checked there), head dim 128. The state is updated in place (donate it
     under jit, or XLA copies it first).
 
-    Persistent CTAs (`programs`, a divisor of B * H; `default_programs` if None) each walk every
+    Persistent CTAs (`programs`, a divisor of B * H; by default the largest up to one an SM) each walk every
     programs-th head. A token warpgroup computes a head's vectors (conv, SiLU, norms, gate, beta,
     one channel a thread; the new conv state written out) into one of two slots while
     `state_warpgroups` more update the previous head, each its own stretch of the head's
@@ -281,14 +282,15 @@ def fused_step(
     them (the default, 2, not yet timed).
 
     `sides` is for timing one warpgroup's work alone (bench/kda.py): ("token",) leaves the state
-    warpgroup idle, ("state",) updates the state from whatever the slots hold."""
+    warpgroups idle, ("state",) updates the state from whatever the slots hold. `interpret`: True,
+    or the interpreter's `plgpu.InterpretGPUParams` (its race detector, say)."""
     b, h, dk, dv = state.shape
     if dk not in STEP_HEAD_DIMS or dv != dk or block_v not in (32, 64) or stages < 2:
         raise ValueError(f"fused_step takes dk = dv in {STEP_HEAD_DIMS}, block_v in (32, 64) and stages >= 2; got"
                          f" dk = {dk}, dv = {dv}, block_v = {block_v}, stages = {stages}")
     if state_warpgroups < 1 or (dv // block_v) % state_warpgroups:
         raise ValueError(f"state_warpgroups must divide the {dv // block_v} slabs of a head, got {state_warpgroups}")
-    programs = default_programs(b * h) if programs is None else programs
+    programs = _default_programs(b * h) if programs is None else programs
     if programs < 1 or (b * h) % programs:
         raise ValueError(f"programs must divide B * H = {b * h}, got {programs}")
     kernel = plgpu.kernel(
