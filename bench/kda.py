@@ -456,13 +456,13 @@ def decode_variant(text):
     GPU step (`kda_decode.fused_step`'s defaults where left out); 'f32:token' or 'f32:state' times
     that warpgroup's work alone."""
     if text.startswith("f"):
-        match = re.fullmatch(r"f(\d+)(?:s(\d+))?(?:p(\d+))?(?:w(\d+))?(?::(token|state))?", text)
+        match = re.fullmatch(r"f(\d+)(?:s(\d+))?(?:p(\d+))?(?:w(\d+))?(?:t(\d+))?(?::(token|state))?", text)
         if match is None:
             raise argparse.ArgumentTypeError(
                 f"bad fused decode variant {text!r}: f<block_v>[s<stages>][p<programs>][w<state warpgroups>][:token|:state]"
             )
         block_v, *launch, side = match.groups()
-        return "fused", int(block_v), {k: int(v) for k, v in zip(("stages", "programs", "state_warpgroups"), launch) if v}, side
+        return "fused", int(block_v), {k: int(v) for k, v in zip(("stages", "programs", "state_warpgroups", "token_slots"), launch) if v}, side
     if text.startswith("m"):
         block_v, _, warps = text[1:].partition("w")
         return "mosaic", int(block_v), int(warps or 4)

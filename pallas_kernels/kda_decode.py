@@ -178,6 +178,7 @@ def _fused_kernel(*refs, heads, programs, state_warpgroups, lower_bound, sides):
     slabs, o_smem, rows_smem, v_smem, squares_smem, loaded, ready, free, drained = refs[10:]
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
     stages, _, dk, block_v = slabs.shape
+    slots = rows_smem.shape[0]  # heads' vectors the token warpgroup may run ahead by
     n_cols = state_ref.shape[-1] // block_v
     own = state_ref.shape[0] * heads // programs  # heads this CTA walks: p, p + programs, ...
 
@@ -194,11 +195,11 @@ def _fused_kernel(*refs, heads, programs, state_warpgroups, lower_bound, sides):
 
         @pl.loop(0, own)
         def _(i):
-            slot = i % 2
+            slot = i % slots
             if both:
-                @pl.when(i >= 2)
+                @pl.when(i >= slots)
                 def _():
-                    plgpu.barrier_wait(free.at[slot])  # the state warpgroups are done with head i - 2's vectors
+                    plgpu.barrier_wait(free.at[slot])  # the state warpgroups are done with head i - slots' vectors
 
             b, h = batch_and_head(i)
             _token_side(inputs, conv_out_ref, rows_smem.at[slot], v_smem.at[slot], squares_smem, b, h,
@@ -230,7 +231,7 @@ def _fused_kernel(*refs, heads, programs, state_warpgroups, lower_bound, sides):
 
         @pl.loop(0, own)
         def _(i):
-            stage, slot = i % stages, i % 2
+            stage, slot = i % stages, i % slots
             b, h = batch_and_head(i)
             if both:
                 plgpu.barrier_wait(ready.at[slot])
@@ -238,31 +239,38 @@ def _fused_kernel(*refs, heads, programs, state_warpgroups, lower_bound, sides):
             for c in range(cols_per_wg):
                 col = (wg - 1) * cols_per_wg + c
                 cols = pl.ds(col * block_v, block_v)
-                update_slab(slabs.at[stage, col], rows_smem.at[slot], v_smem.at[slot, cols], o_smem.at[cols])
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(slabs.at[stage, col], state_ref.at[b, h, :, cols])
+                update_slab(slabs.at[stage, col], rows_smem.at[slot], v_smem.at[slot, cols], o_smem.at[i % 2, cols])
+            plgpu.commit_smem()
             if both:
-                @pl.when(i + 2 < own)  # the interpreter wants every arrival waited for
+                @pl.when(i + slots < own)  # the interpreter wants every arrival waited for
                 def _():
                     plgpu.barrier_arrive(free.at[slot])
-            plgpu.copy_smem_to_gmem(o_smem.at[mine], o_ref.at[b, h, mine])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its slabs and o_smem's columns are free again
+            for c in range(cols_per_wg):
+                col = (wg - 1) * cols_per_wg + c
+                plgpu.copy_smem_to_gmem(slabs.at[stage, col], state_ref.at[b, h, :, pl.ds(col * block_v, block_v)],
+                                        commit_group=False)
+            plgpu.copy_smem_to_gmem(o_smem.at[i % 2, mine], o_ref.at[b, h, mine], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            # Refill the buffer of the head before this one once its stores have read it out, leaving
+            # this head's in flight: waiting for these too stalled the stream at every head.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
 
-            @pl.when(i + stages < own)
+            @pl.when((i >= 1) & (i - 1 + stages < own))
             def _():
-                plgpu.barrier_arrive(drained.at[stage])
+                previous = (i - 1) % stages
+                plgpu.barrier_arrive(drained.at[previous])
 
                 @pl.when(first)
                 def _():
-                    plgpu.barrier_wait(drained.at[stage])  # every state warpgroup is done with the buffers
-                    fetch(i + stages)
+                    plgpu.barrier_wait(drained.at[previous])  # every state warpgroup is done with the buffer
+                    fetch(i - 1 + stages)
 
         plgpu.wait_smem_to_gmem(0)
 
 
 def fused_step(
     qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V, stages=3,
-    programs=None, state_warpgroups=2, sides=("token", "state"), interpret=False,
+    programs=None, state_warpgroups=2, token_slots=2, sides=("token", "state"), interpret=False,
 ):
     """The one-token KDA step in one warp-specialised launch; shapes and results as
     `kda.kda_decode_step` (checked there), head dim 128. The state is updated in place (donate it
@@ -288,6 +296,8 @@ def fused_step(
     if dk not in STEP_HEAD_DIMS or dv != dk or block_v not in (32, 64) or stages < 2:
         raise ValueError(f"fused_step takes dk = dv in {STEP_HEAD_DIMS}, block_v in (32, 64) and stages >= 2; got"
                          f" dk = {dk}, dv = {dv}, block_v = {block_v}, stages = {stages}")
+    if token_slots < 1:
+        raise ValueError(f"token_slots must be at least 1, got {token_slots}")
     if state_warpgroups < 1 or (dv // block_v) % state_warpgroups:
         raise ValueError(f"state_warpgroups must divide the {dv // block_v} slabs of a head, got {state_warpgroups}")
     programs = _default_programs(b * h) if programs is None else programs
@@ -303,13 +313,13 @@ def fused_step(
         thread_name="wg",
         scratch_types=(
             plgpu.SMEM((stages, dv // block_v, dk, block_v), _F32, transforms=SLAB_TRANSFORMS),
-            plgpu.SMEM((dv,), qkv.dtype),
-            plgpu.SMEM((2, 3, dk), _F32),
-            plgpu.SMEM((2, dv), _F32),
+            plgpu.SMEM((2, dv), qkv.dtype),  # o: a head's store reads one while the next head fills the other
+            plgpu.SMEM((token_slots, 3, dk), _F32),
+            plgpu.SMEM((token_slots, dv), _F32),
             plgpu.SMEM((2, dk), _F32),
             plgpu.Barrier(num_arrivals=dv // block_v, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),  # ready: a slot's vectors are written
-            plgpu.Barrier(num_arrivals=state_warpgroups, num_barriers=2),  # free: every state warpgroup has read them
+            plgpu.Barrier(num_arrivals=1, num_barriers=token_slots),  # ready: a slot's vectors are written
+            plgpu.Barrier(num_arrivals=state_warpgroups, num_barriers=token_slots),  # free: every state warpgroup has read them
             plgpu.Barrier(num_arrivals=state_warpgroups, num_barriers=stages),  # drained: a head buffer's stores have read it
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

@@ -374,7 +374,7 @@ def test_decode_update_refuses_unsupported_shapes():
         (2, 3, -5.0, dict(programs=2)),  # 3 heads a CTA: the token slots and head buffers reused
         (1, 5, None, dict(programs=1, stages=2, state_warpgroups=4)),  # one slab a state warpgroup
         (2, 4, None, dict(programs=8, block_v=64)),  # one head a CTA
-        (2, 3, -5.0, dict(programs=3, stages=2, state_warpgroups=1)),
+        (2, 3, -5.0, dict(programs=1, stages=2, state_warpgroups=1, token_slots=3)),
     ],
 )
 def test_fused_decode_step_matches_reference(b, h, lower_bound, launch):
