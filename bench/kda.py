@@ -23,7 +23,6 @@ On the GPU machine, from the repository root, with the peers' wheels in .peers/:
 """
 
 import argparse
-import re
 import statistics
 import time
 import traceback
@@ -332,7 +331,7 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
 
 
 def bench_decode(hbm, variants, d=128):
-    h, d = (2, 128) if INTERPRET else (64, d)  # 128: the head dim of every decode form
+    h, d = (2, 64) if INTERPRET else (64, d)
     log(f"\n== decode step, H={h} D={d}")
     for b in DECODE_BATCHES:
         x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
@@ -362,19 +361,6 @@ def bench_decode(hbm, variants, d=128):
                     return kda_decode.decode_step(
                         conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v,
                         token_warps=token_warps, interpret=INTERPRET,
-                    )
-            elif variant[0] == "fused":
-                block_v, launch, side = variant[1:]
-                sides = ("token", "state") if side is None else (side,)
-                name = (f"ours kda_decode_step (one warp-specialised Mosaic GPU launch) block_v={block_v}"
-                        + "".join(f" {k}={v}" for k, v in launch.items())
-                        + ("" if side is None else f" ({side} warpgroup alone, a probe)"))
-                kernels = "kda_decode_fused_step"
-
-                def call(conv_state, state, block_v=block_v, launch=launch, sides=sides):
-                    return kda_decode.fused_step(
-                        conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, sides=sides,
-                        interpret=INTERPRET, **launch,
                     )
             else:
                 block_v, warps = variant  # decode_step takes min(block_v, d)
@@ -451,18 +437,7 @@ def torch_chain_ms(fn, n=20, reps=7):
 
 
 def decode_variant(text):
-    """'64x4' -> (64, 4): the fused Triton step; 'm32w2' -> ('mosaic', 32, 2): the two-kernel step;
-    'f32s3w2' -> ('fused', 32, {'stages': 3, 'state_warpgroups': 2}, None): the warp-specialised Mosaic
-    GPU step (`kda_decode.fused_step`'s defaults where left out); 'f32:token' or 'f32:state' times
-    that warpgroup's work alone."""
-    if text.startswith("f"):
-        match = re.fullmatch(r"f(\d+)(?:s(\d+))?(?:p(\d+))?(?:w(\d+))?(?:t(\d+))?(?::(token|state))?", text)
-        if match is None:
-            raise argparse.ArgumentTypeError(
-                f"bad fused decode variant {text!r}: f<block_v>[s<stages>][p<programs>][w<state warpgroups>][:token|:state]"
-            )
-        block_v, *launch, side = match.groups()
-        return "fused", int(block_v), {k: int(v) for k, v in zip(("stages", "programs", "state_warpgroups", "token_slots"), launch) if v}, side
+    """'64x4' -> (64, 4): the fused Triton step; 'm32w2' -> ('mosaic', 32, 2): the two-kernel step."""
     if text.startswith("m"):
         block_v, _, warps = text[1:].partition("w")
         return "mosaic", int(block_v), int(warps or 4)
@@ -485,9 +460,7 @@ def main():
     parser.add_argument("--decode-dim", type=int, default=128, help="decode head dim dk = dv")
     parser.add_argument("--decode-variants", default=DECODE_VARIANTS,
                         help="decode launch shapes: value columns x warps (the fused Triton step), or mN[wW] (Triton token"
-                             " vectors in W warps, default 4, then the Mosaic GPU update in N columns), or fN[sS][pP][wW] (the"
-                             " warp-specialised Mosaic GPU step: N columns, S stages, P programs, W state warpgroups; :token or"
-                             " :state for one warpgroup's work alone)")
+                             " vectors in W warps, default 4, then the Mosaic GPU update in N columns)")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     PEERS = not args.no_peers

@@ -1,5 +1,4 @@
-"""The KDA decode step's state update in Pallas Mosaic GPU, after `kda_triton.token_vectors`
-(`decode_step`); and the whole step in one warp-specialised launch (`fused_step`, not yet faster).
+"""The KDA decode step's state update in Pallas Mosaic GPU, after `kda_triton.token_vectors`.
 
 The step is a stream over the state. Loaded through L1, as a Triton kernel loads it, the slabs
 stall under XLA's launch, which leaves 28 KiB of L1 per SM (85-88% of the state-bytes roofline at
@@ -13,9 +12,10 @@ The token side (conv, SiLU, norms, gate, beta) runs before, in `kda_triton.token
 here, one channel per thread, the step ran at 53-63% of the roofline whether each slab's CTA or one
 CTA per head computed it (bench/RESULTS.md, eighteenth session). Apart, it takes 0.015 / 0.050 ms
 at batch 64 / 256 (H = 64, D = 128), the step 82-84% of the roofline in all (nineteenth session).
+Nor did a token warpgroup beside persistent state warpgroups in one launch beat it: 74-78% /
+78-82%, the state stream alone at most 83% / 87% (twenty-first and twenty-second sessions; the
+code is in the history at b6bccf6).
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import kda_chain, kda_intra, kda_triton
+from pallas_kernels import kda_triton
 
 BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md, sixteenth session)
 HEAD_DIMS = (64, 128)  # dk: the WGMMA layout's 64-row tiles
@@ -125,207 +125,3 @@ def decode_step(
     )
     o, state = update_state(vectors, state, out_dtype=qkv.dtype, block_v=block_v, interpret=interpret)
     return o, conv_state, state
-
-
-def _default_programs(heads_total):
-    """The persistent step's CTA count: the largest divisor of B * H up to one CTA an SM (one fits at
-    3 heads' buffers of 64 KiB), so that every CTA walks the same number of heads."""
-    sms = kda_chain.sm_count()
-    return max(n for n in range(1, min(heads_total, sms) + 1) if heads_total % n == 0)
-
-
-def _sum_of(ref):
-    """The sum of a [n] fp32 vector in shared memory, read in full by every thread: Mosaic GPU reduces
-    a vector to a scalar through a scratch buffer of the kernel's, which its lowering refuses with two
-    warpgroups. A tree of independent loads, not a chain."""
-    terms = [ref[i] for i in range(ref.shape[0])]
-    while len(terms) > 1:
-        terms = [a + b for a, b in zip(terms[::2], terms[1::2])]
-    return terms[0]
-
-
-def _token_side(inputs, conv_out_ref, rows_smem, v_smem, squares_smem, b, h, *, lower_bound):
-    """One head's vectors into a slot (the token warpgroup, one channel a thread): rows_smem [3, d]
-    gets q (normalised, scaled), sqrt(beta) k (k normalised) and the decay, v_smem [d] sqrt(beta) v,
-    as `kda.decode_token_vectors_reference`; the head's new conv state goes to conv_out_ref. Every
-    load comes before the first store: the compiler cannot move a load above a store to global
-    memory that might alias it, and each such order costs a round trip to HBM."""
-    qkv_ref, conv_ref, weight_ref, f_ref, dt_bias_ref, a_log_ref, beta_ref = inputs
-    d, taps = v_smem.shape[0], weight_ref.shape[0]
-    chans = pl.ds(h * d, d)
-    windows = [[conv_ref[b, part, chans, j] for j in range(1, taps)] + [qkv_ref[b, part, chans]] for part in range(3)]
-    weights = [[weight_ref[j, part, chans] for j in range(taps)] for part in range(3)]
-    decay, beta = kda_triton.decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, chans, lower_bound)
-    for part, window in enumerate(windows):
-        for j, x in enumerate(window):
-            conv_out_ref[b, part, chans, j] = x
-    q, k, v = (
-        kda_triton.silu_as(sum(x.astype(_F32) * w for x, w in zip(window, ws)), qkv_ref.dtype)
-        for window, ws in zip(windows, weights)
-    )
-    squares_smem[0] = q * q
-    squares_smem[1] = k * k
-    plgpu.commit_smem()  # the squares, written one a thread, are summed by every thread
-    root_beta = jnp.sqrt(beta)
-    rows_smem[0] = q * (d**-0.5 / jnp.sqrt(_sum_of(squares_smem.at[0]) + kda_intra.L2_EPS))
-    rows_smem[1] = k * (root_beta / jnp.sqrt(_sum_of(squares_smem.at[1]) + kda_intra.L2_EPS))
-    rows_smem[2] = decay
-    v_smem[...] = v * root_beta
-
-
-def _fused_kernel(*refs, heads, programs, state_warpgroups, lower_bound, sides):
-    inputs, (state_ref, o_ref, conv_out_ref) = refs[:7], refs[7:10]
-    slabs, o_smem, rows_smem, v_smem, squares_smem, loaded, ready, free, drained = refs[10:]
-    p, wg = lax.axis_index("p"), lax.axis_index("wg")
-    stages, _, dk, block_v = slabs.shape
-    slots = rows_smem.shape[0]  # heads' vectors the token warpgroup may run ahead by
-    n_cols = state_ref.shape[-1] // block_v
-    own = state_ref.shape[0] * heads // programs  # heads this CTA walks: p, p + programs, ...
-
-    def batch_and_head(i):
-        j = p + i * programs
-        return j // heads, j % heads
-
-    both = set(sides) == {"token", "state"}
-
-    @pl.when(wg == 0)
-    def _token_warpgroup():
-        if "token" not in sides:
-            return
-
-        @pl.loop(0, own)
-        def _(i):
-            slot = i % slots
-            if both:
-                @pl.when(i >= slots)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])  # the state warpgroups are done with head i - slots' vectors
-
-            b, h = batch_and_head(i)
-            _token_side(inputs, conv_out_ref, rows_smem.at[slot], v_smem.at[slot], squares_smem, b, h,
-                        lower_bound=lower_bound)
-            plgpu.commit_smem()
-            if both:
-                plgpu.barrier_arrive(ready.at[slot])
-
-    @pl.when(wg >= 1)
-    def _state_warpgroups():
-        if "state" not in sides:
-            return
-        # Each state warpgroup updates its own stretch of a head's slabs; the first also loads them.
-        first, cols_per_wg = wg == 1, n_cols // state_warpgroups
-        mine = pl.ds((wg - 1) * cols_per_wg * block_v, cols_per_wg * block_v)
-
-        def fetch(i):
-            # A head's slabs all at once: its 512-byte rows are then read together, not a quarter at a
-            # time a few microseconds apart (slab by slab, the stream alone ran at 78-81%).
-            b, h = batch_and_head(i)
-            for c in range(n_cols):
-                plgpu.copy_gmem_to_smem(state_ref.at[b, h, :, pl.ds(c * block_v, block_v)], slabs.at[i % stages, c],
-                                        loaded.at[i % stages])
-
-        @pl.when(first)
-        def _():
-            for i in range(min(stages, own)):
-                fetch(i)
-
-        @pl.loop(0, own)
-        def _(i):
-            stage, slot = i % stages, i % slots
-            b, h = batch_and_head(i)
-            if both:
-                plgpu.barrier_wait(ready.at[slot])
-            plgpu.barrier_wait(loaded.at[stage])
-            for c in range(cols_per_wg):
-                col = (wg - 1) * cols_per_wg + c
-                cols = pl.ds(col * block_v, block_v)
-                update_slab(slabs.at[stage, col], rows_smem.at[slot], v_smem.at[slot, cols], o_smem.at[i % 2, cols])
-            plgpu.commit_smem()
-            if both:
-                @pl.when(i + slots < own)  # the interpreter wants every arrival waited for
-                def _():
-                    plgpu.barrier_arrive(free.at[slot])
-            for c in range(cols_per_wg):
-                col = (wg - 1) * cols_per_wg + c
-                plgpu.copy_smem_to_gmem(slabs.at[stage, col], state_ref.at[b, h, :, pl.ds(col * block_v, block_v)],
-                                        commit_group=False)
-            plgpu.copy_smem_to_gmem(o_smem.at[i % 2, mine], o_ref.at[b, h, mine], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            # Refill the buffer of the head before this one once its stores have read it out, leaving
-            # this head's in flight: waiting for these too stalled the stream at every head.
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-
-            @pl.when((i >= 1) & (i - 1 + stages < own))
-            def _():
-                previous = (i - 1) % stages
-                plgpu.barrier_arrive(drained.at[previous])
-
-                @pl.when(first)
-                def _():
-                    plgpu.barrier_wait(drained.at[previous])  # every state warpgroup is done with the buffer
-                    fetch(i - 1 + stages)
-
-        plgpu.wait_smem_to_gmem(0)
-
-
-def fused_step(
-    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V, stages=3,
-    programs=None, state_warpgroups=2, token_slots=2, sides=("token", "state"), interpret=False,
-):
-    """The one-token KDA step in one warp-specialised launch; shapes and results as
-    `kda.kda_decode_step` (checked there), head dim 128. The state is updated in place (donate it
-    under jit, or XLA copies it first).
-
-    Persistent CTAs (`programs`, a divisor of B * H; by default the largest up to one an SM) each walk every
-    programs-th head. A token warpgroup computes a head's vectors (conv, SiLU, norms, gate, beta,
-    one channel a thread; the new conv state written out) into one of two slots while
-    `state_warpgroups` more update the previous head, each its own stretch of the head's
-    [dk, block_v] slabs. A head's slabs are loaded together by TMA into one of `stages` head
-    buffers (64 KiB each) while earlier heads are updated.
-
-    Not `kda_decode_step`'s choice: on the H200 (bench/RESULTS.md, twenty-first session) it ran,
-    with one state warpgroup, at 78% / 82% of the state-bytes roofline at B = 64 / 256 (H = 64),
-    the state side alone at 83%, where the two kernels (`decode_step`) reach 82% / 84%. One
-    warpgroup updating a head's four slabs one after another was the measured limit; several split
-    them (the default, 2, not yet timed).
-
-    `sides` is for timing one warpgroup's work alone (bench/kda.py): ("token",) leaves the state
-    warpgroups idle, ("state",) updates the state from whatever the slots hold. `interpret`: True,
-    or the interpreter's `plgpu.InterpretGPUParams` (its race detector, say)."""
-    b, h, dk, dv = state.shape
-    if dk not in STEP_HEAD_DIMS or dv != dk or block_v not in (32, 64) or stages < 2:
-        raise ValueError(f"fused_step takes dk = dv in {STEP_HEAD_DIMS}, block_v in (32, 64) and stages >= 2; got"
-                         f" dk = {dk}, dv = {dv}, block_v = {block_v}, stages = {stages}")
-    if token_slots < 1:
-        raise ValueError(f"token_slots must be at least 1, got {token_slots}")
-    if state_warpgroups < 1 or (dv // block_v) % state_warpgroups:
-        raise ValueError(f"state_warpgroups must divide the {dv // block_v} slabs of a head, got {state_warpgroups}")
-    programs = _default_programs(b * h) if programs is None else programs
-    if programs < 1 or (b * h) % programs:
-        raise ValueError(f"programs must divide B * H = {b * h}, got {programs}")
-    kernel = plgpu.kernel(
-        functools.partial(_fused_kernel, heads=h, programs=programs, state_warpgroups=state_warpgroups,
-                          lower_bound=lower_bound, sides=tuple(sides)),
-        out_type=(jax.ShapeDtypeStruct((b, h, dv), qkv.dtype), jax.ShapeDtypeStruct(conv_state.shape, qkv.dtype)),
-        grid=(programs,),
-        grid_names=("p",),
-        num_threads=1 + state_warpgroups,
-        thread_name="wg",
-        scratch_types=(
-            plgpu.SMEM((stages, dv // block_v, dk, block_v), _F32, transforms=SLAB_TRANSFORMS),
-            plgpu.SMEM((2, dv), qkv.dtype),  # o: a head's store reads one while the next head fills the other
-            plgpu.SMEM((token_slots, 3, dk), _F32),
-            plgpu.SMEM((token_slots, dv), _F32),
-            plgpu.SMEM((2, dk), _F32),
-            plgpu.Barrier(num_arrivals=dv // block_v, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=token_slots),  # ready: a slot's vectors are written
-            plgpu.Barrier(num_arrivals=state_warpgroups, num_barriers=token_slots),  # free: every state warpgroup has read them
-            plgpu.Barrier(num_arrivals=state_warpgroups, num_barriers=stages),  # drained: a head buffer's stores have read it
-        ),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret is True else interpret or None,
-        kernel_name="kda_decode_fused_step",
-    )
-    state = jax.new_ref(state)
-    o, conv_state = kernel(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state)
-    return o, conv_state, jax.freeze(state)

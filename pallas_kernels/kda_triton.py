@@ -28,24 +28,17 @@ def _conv_silu(qkv_ref, conv_ref, weight_ref, conv_out_ref, b, part, chans):
     tap = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], kernel), 1)
     new_state = sum(jnp.where(tap == j, window[j][:, None], 0.0) for j in range(kernel))
     conv_out_ref[b, part, chans, :] = new_state.astype(conv_out_ref.dtype)
-    return silu_as(y, qkv_ref.dtype)
+    return (jax.nn.sigmoid(y) * y).astype(qkv_ref.dtype).astype(jnp.float32)
 
 
-def silu_as(y, dtype):
-    """SiLU of the conv's fp32 output, rounded to the activations' dtype as the reference does."""
-    return (jax.nn.sigmoid(y) * y).astype(dtype).astype(jnp.float32)
-
-
-def decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, chans, lower_bound):
-    """The head's per-channel decay exp(g) and its beta, in fp32. Softplus as log(1 + exp) (Mosaic GPU,
-    which reads these refs in `kda_decode.fused_step` too, lowers no log1p): the decay then differs
-    from log1p's by at most 2e-6 of it (f in [-60, 25], rates up to 20)."""
+def _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, chans, lower_bound):
+    """The head's per-channel decay exp(g) and its beta, in fp32."""
     f = f_ref[b, chans].astype(jnp.float32) + dt_bias_ref[chans].astype(jnp.float32)
     rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
     if lower_bound is not None:
         g = lower_bound * jax.nn.sigmoid(rate * f)
     else:
-        g = -rate * jnp.where(f > 20.0, f, jnp.log(1.0 + jnp.exp(jnp.minimum(f, 20.0))))
+        g = -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
     return jnp.exp(g), jax.nn.sigmoid(beta_ref[b, h].astype(jnp.float32))
 
 
@@ -70,7 +63,7 @@ def _decode_kernel(
     conv_silu = functools.partial(_conv_silu, qkv_ref, conv_ref, weight_ref, conv_out_ref, b)
     q = conv_silu(0, heads_k)
     k = conv_silu(1, heads_k)
-    decay, beta = decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, heads_k, lower_bound)
+    decay, beta = _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, heads_k, lower_bound)
     v = conv_silu(2, pl.ds(h * dk + vb * block_v, block_v))
     # q's and k's L2 norms are scalars applied after the reductions over the slab, so that those
     # reductions need not wait for the norms' own.
@@ -136,7 +129,7 @@ def _token_kernel(
     heads = pl.ds(h * d, d)
     conv_silu = functools.partial(_conv_silu, qkv_ref, conv_ref, weight_ref, conv_out_ref, b)
     q, k, v = (conv_silu(part, heads) for part in range(3))
-    decay, beta = decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, heads, lower_bound)
+    decay, beta = _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, heads, lower_bound)
     root_beta = jnp.sqrt(beta)
     vectors_ref[b, h, 0, :] = q * (d**-0.5 * _norm_scale(q))
     vectors_ref[b, h, 1, :] = k * (root_beta * _norm_scale(k))

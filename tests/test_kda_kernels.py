@@ -368,45 +368,6 @@ def test_decode_update_refuses_unsupported_shapes():
         kda_decode.update_state(vectors.astype(jnp.bfloat16), state, out_dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize(
-    "b, h, lower_bound, launch",
-    [
-        (2, 3, -5.0, dict(programs=2)),  # 3 heads a CTA: the token slots and head buffers reused
-        (1, 5, None, dict(programs=1, stages=2, state_warpgroups=4)),  # one slab a state warpgroup
-        (2, 4, None, dict(programs=8, block_v=64)),  # one head a CTA
-        (2, 3, -5.0, dict(programs=1, stages=2, state_warpgroups=1, token_slots=3)),
-    ],
-)
-def test_fused_decode_step_matches_reference(b, h, lower_bound, launch):
-    """`kda_decode.fused_step` (one warp-specialised launch; not dispatched) in the interpreter, its
-    race detector on: the barriers between the token and state warpgroups and around the head
-    buffers leave no shared-memory race (remove one and it reports one)."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    x = kda.random_decode_inputs(jax.random.key(b * h + len(launch)), b, h, 128)
-    params = kda_decode.plgpu.InterpretGPUParams(detect_races=True)
-    got = kda_decode.fused_step(**x, lower_bound=lower_bound, interpret=params, **launch)
-    assert not interpret_pallas_call.get_races().races_found
-    want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
-    for name, a, r in zip(["o", "conv_state", "state"], got, want):
-        assert a.shape == r.shape and a.dtype == r.dtype, name
-        assert relative_error(a, r) < TOLERANCE, name
-
-
-def test_fused_decode_step_refuses_unsupported_launches():
-    x = kda.random_decode_inputs(jax.random.key(0), 1, 3, 128)
-    with pytest.raises(ValueError, match="got dk = 64, dv = 64"):
-        kda_decode.fused_step(**kda.random_decode_inputs(jax.random.key(0), 1, 1, 64), lower_bound=-5.0)
-    with pytest.raises(ValueError, match="block_v = 16"):
-        kda_decode.fused_step(**x, lower_bound=-5.0, block_v=16)
-    with pytest.raises(ValueError, match="stages = 1"):
-        kda_decode.fused_step(**x, lower_bound=-5.0, stages=1)
-    with pytest.raises(ValueError, match="programs must divide B \\* H = 3, got 2"):
-        kda_decode.fused_step(**x, lower_bound=-5.0, programs=2)
-    with pytest.raises(ValueError, match="state_warpgroups must divide the 4 slabs of a head, got 3"):
-        kda_decode.fused_step(**x, lower_bound=-5.0, state_warpgroups=3)
-
-
 def test_auto_dispatch_on_cpu_is_the_reference():
     args = scan_inputs(6, 1, 70, 1, 16)
     o, s = kda.kda_chunk_scan(*args)

@@ -62,14 +62,3 @@ def test_decode_step_lowers_for_the_gpu(b, h, d, two_kernels):
     step = lambda x: kda.kda_decode_step(**x, lower_bound=-5.0, implementation="pallas")  # noqa: E731
     expected = ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"] if two_kernels else ["__gpu$xla.gpu.triton"]
     assert lowered_calls(step, args) == expected
-
-
-@pytest.mark.parametrize(
-    "b, h, launch",
-    [(64, 64, {}), (256, 64, dict(block_v=64, stages=2)), (1, 64, dict(state_warpgroups=4)), (3, 5, dict(stages=2, state_warpgroups=1))],
-)
-def test_fused_decode_step_lowers_for_the_gpu(b, h, launch):
-    """`kda_decode.fused_step`: warpgroups, barriers and head buffers (192 KiB at 3 stages)."""
-    args = jax.eval_shape(lambda: kda.random_decode_inputs(jax.random.key(0), b, h, 128))
-    step = lambda x: kda_decode.fused_step(**x, lower_bound=None, **launch)  # noqa: E731
-    assert lowered_calls(step, args) == ["mosaic_gpu_v2"]
