@@ -12,8 +12,8 @@ The token side (conv, SiLU, norms, gate, beta) runs before, in `kda_triton.token
 here, one channel per thread, the step ran at 53-63% of the roofline whether each slab's CTA or one
 CTA per head computed it (bench/RESULTS.md, eighteenth session). Apart, it takes 0.015 / 0.050 ms
 at batch 64 / 256 (H = 64, D = 128), the step 82-84% of the roofline in all (nineteenth session).
-Nor did a token warpgroup beside persistent state warpgroups in one launch beat it: 74-78% /
-78-82%, the state stream alone at most 83% / 87% (twenty-first and twenty-second sessions; the
+Nor did a token warpgroup beside persistent state warpgroups in one launch beat it: at best
+78% / 82%, the state stream alone at most 83% / 87% (twenty-first and twenty-second sessions; the
 code is in the history at b6bccf6).
 """
 
