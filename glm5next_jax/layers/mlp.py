@@ -1,5 +1,7 @@
 """Clamped SwiGLU MLP and the sigmoid-routed MoE with a shared expert."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -43,11 +45,13 @@ def route(p, x, config):
     return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def moe(p, x, config):
+def moe(p, x, config, implementation=None, interpret=False):
     """Routed experts (grouped GEMM over tokens sorted by expert) plus the unscaled shared expert.
 
     p: router [D, E] fp32, router_bias [E] fp32, experts_gate_up [E, D, 2, I], experts_down [E, I, D],
-    shared {gate_up, down} when n_shared_experts > 0.
+    shared {gate_up, down} when n_shared_experts > 0. implementation: the grouped GEMM's (None: the
+    Pallas kernel on GPU for bf16 weights, else the reference; `interpret` runs the kernel in Pallas'
+    interpreter), see `pallas_kernels.moe_gemm`.
     """
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
@@ -55,13 +59,22 @@ def moe(p, x, config):
     k = config.num_experts_per_tok
     flat_experts = experts.reshape(-1)
     order = jnp.argsort(flat_experts, stable=True)
-    token_of_row = order // k
     group_sizes = jnp.bincount(flat_experts, length=config.n_routed_experts).astype(jnp.int32)
-    rows = tokens[token_of_row]
     gate_up = p["experts_gate_up"]
-    hidden = moe_gemm.grouped_matmul(rows, gate_up.reshape(*gate_up.shape[:2], -1), group_sizes)
+    gate_up = gate_up.reshape(*gate_up.shape[:2], -1)
+    implementation, gemm = moe_gemm.plan(implementation, tokens, (gate_up, p["experts_down"]), rows=order.shape[0])
+    # Rows sorted by expert, each expert's starting a tile of the kernel's (one row: packed, for the
+    # reference); padding slots read token 0 and their outputs are never gathered.
+    tiles = moe_gemm.expert_tiles(group_sizes, order.shape[0], gemm.block_rows)
+    token_of_row = order // k
+    token_of_slot = jnp.zeros(tiles.tile_experts.shape[0] * gemm.block_rows, jnp.int32).at[tiles.slots].set(token_of_row)
+    run = functools.partial(
+        moe_gemm.grouped_matmul, tile_experts=tiles.tile_experts, used_tiles=tiles.used_tiles,
+        implementation=implementation, config=gemm, interpret=interpret,
+    )
+    hidden = run(tokens[token_of_slot], gate_up)
     hidden = clamped_swiglu(hidden.reshape(hidden.shape[0], 2, -1), config.swiglu_limit)
-    out_rows = moe_gemm.grouped_matmul(hidden, p["experts_down"], group_sizes)
+    out_rows = run(hidden, p["experts_down"])[tiles.slots]
     # Each expert's weighted output is cast to the activation dtype before the sum, as in the reference.
     out_rows = (out_rows * weights.reshape(-1)[order][:, None]).astype(x.dtype)
     routed = jnp.zeros_like(tokens).at[token_of_row].add(out_rows)
