@@ -37,7 +37,7 @@ def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, 
                 y, new_lc = kda_layer_cached(pa, h, config, lc, valid, implementation)
             return y, (new_lc, None)
 
-        streams, (lc, indices) = decoder_layer(p, streams, config, i, attend)
+        streams, (lc, indices) = decoder_layer(p, streams, config, i, attend, implementation)
         layers.append(lc)
     new_cache = dict(cache, lengths=start + valid.sum(-1, dtype=jnp.int32), layers=layers)
     return streams, new_cache

@@ -14,11 +14,11 @@ from .layers.kda import kda_layer
 from .layers.mlp import dense_mlp, moe
 
 
-def decoder_layer(p, streams, config: Config, layer: int, attend):
+def decoder_layer(p, streams, config: Config, layer: int, attend, implementation=None):
     """One layer: mHC around the attention sublayer, then around the MLP sublayer.
 
     attend(attn_params, h) -> (y, aux) runs the attention sublayer (cached or not, KDA or DSA);
-    returns (streams, aux).
+    implementation picks the MoE's grouped GEMM (as in `forward`); returns (streams, aux).
     """
     pre, post, comb = hyper.mapping(p["attn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["input_norm"], config.rms_norm_eps)
@@ -27,7 +27,10 @@ def decoder_layer(p, streams, config: Config, layer: int, attend):
 
     pre, post, comb = hyper.mapping(p["ffn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["post_attention_norm"], config.rms_norm_eps)
-    y = moe(p["mlp"], h, config) if config.mlp_layer_types[layer] == "sparse" else dense_mlp(p["mlp"], h, config)
+    if config.mlp_layer_types[layer] == "sparse":
+        y = moe(p["mlp"], h, config, implementation)
+    else:
+        y = dense_mlp(p["mlp"], h, config)
     return hyper.expand(post, comb, y, streams), aux
 
 
@@ -60,7 +63,7 @@ def _forward(params, config: Config, input_ids, attention_mask, implementation=N
     indices = None
     for i, p in enumerate(params["layers"]):
         attend = uncached_attention(config, i, padding_mask, indices, implementation)
-        streams, indices = decoder_layer(p, streams, config, i, attend)
+        streams, indices = decoder_layer(p, streams, config, i, attend, implementation)
     return final_logits(params, streams, config)
 
 

@@ -1,0 +1,171 @@
+"""The MoE's grouped GEMMs on the GPU: ours (`moe_gemm.grouped_matmul`, Mosaic GPU over the
+expert-tiled row layout) against jla 0.1.0 `ragged_dot`, JAX's Pallas `ragged_dot_mgpu` and XLA's
+`lax.ragged_dot`, at GLM-5.3's shapes (288 experts, 8 per token, hidden 4096, expert width 2048):
+gate_up K = 4096, N = 4096 and down K = 2048, N = 4096, for 8, 64, 1024 and 8192 tokens, each token
+routed to 8 distinct experts drawn uniformly. Then the whole MoE layer (`layers.mlp.moe`, random
+router) with the kernel and with the reference.
+
+Times are medians of 20 jitted calls dispatched back to back (`kda.dispatched_ms`), per call; ours
+is the kernel alone on rows already in the tiled layout (the MoE layer gathers its rows into either
+layout at the same cost). The roofline is max(FLOPs / 705 TFLOP/s, bytes / 4.3 TB/s), bytes = the
+used experts' weights once plus the rows in and out. Errors are max|d| / max|ref| against an fp32
+product over the rows of 8 sampled experts.
+
+On the GPU machine, from the repository root, with the peers' wheels in .peers/:
+    python3 -m pip install -q --no-index --no-deps --target .peers-site .peers/*.whl
+    PYTHONPATH=$PWD:$PWD/bench:$PWD/.peers-site python3 bench/moe.py
+"""
+
+import argparse
+import functools
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from kda import dispatched_ms, log
+
+from glm5next_jax.config import Config
+from glm5next_jax.layers import mlp
+from pallas_kernels import moe_gemm
+
+MATMUL, HBM = 705e12, 4.3e12
+EXPERTS, TOP_K, HIDDEN, WIDTH = 288, 8, 4096, 2048
+GEMMS = {"gate_up": (HIDDEN, 2 * WIDTH), "down": (WIDTH, HIDDEN)}
+
+
+def routed_rows(tokens, seed=0):
+    """Group sizes [G] of tokens x 8 rows, each token's 8 experts distinct."""
+    rng = np.random.default_rng(seed)
+    experts = np.argsort(rng.random((tokens, EXPERTS)), axis=1)[:, :TOP_K]
+    return np.bincount(experts.reshape(-1), minlength=EXPERTS).astype(np.int32)
+
+
+def peers():
+    out = {}
+    try:
+        from jla.ops.mosaic_gpu import ragged_dot as jla_rd
+
+        out["jla ragged_dot"] = lambda x, w, s: jla_rd.ragged_dot(x, w, s)
+    except Exception:
+        traceback.print_exc()
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    out["jax ragged_dot_mgpu"] = lambda x, w, s: ragged_dot_mgpu.ragged_dot(
+        x, w, group_sizes=s, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2
+    )
+    out["xla lax.ragged_dot"] = lambda x, w, s: jax.lax.ragged_dot(x, w, s)  # a dense one-hot product on GPU
+    return out
+
+
+def sampled_error(out_rows, x_rows, w, sizes, rng):
+    """out_rows [M, N] in packed order against fp32 products for 8 nonempty experts."""
+    starts = np.cumsum(sizes) - sizes
+    worst = 0.0
+    for g in rng.choice(np.flatnonzero(sizes), size=min(8, np.count_nonzero(sizes)), replace=False):
+        rows = slice(int(starts[g]), int(starts[g] + sizes[g]))
+        want = np.asarray(jnp.dot(x_rows[rows].astype(jnp.float32), w[g].astype(jnp.float32), precision="highest"))
+        got = np.asarray(out_rows[rows], np.float32)
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    return worst
+
+
+def parse_config(text):
+    """`<block_rows>x<block_cols>x<block_k>x<stages>`, e.g. 128x256x64x3."""
+    rows, cols, k, stages = (int(v) for v in text.split("x"))
+    return moe_gemm.GemmConfig(block_rows=rows, block_cols=cols, block_k=k, stages=stages)
+
+
+def bench_gemms(token_counts, skip_peers, configs):
+    log("| tokens | GEMM | implementation | ms | TFLOP/s | x roofline | error |")
+    log("| --- | --- | --- | --- | --- | --- | --- |")
+    key = jax.random.key(0)
+    for name, (k, n) in GEMMS.items():
+        w = (jax.random.normal(jax.random.fold_in(key, k), (EXPERTS, k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for tokens in token_counts:
+            sizes = routed_rows(tokens)
+            rows = int(sizes.sum())
+            x = jax.random.normal(jax.random.fold_in(key, tokens), (rows, k), jnp.bfloat16)
+            flops = 2 * rows * k * n
+            data = np.count_nonzero(sizes) * k * n * 2 + rows * (k + n) * 2
+            roof = max(flops / MATMUL, data / HBM) * 1e3
+
+            implementation, default = moe_gemm.plan(None, x, (w,), rows=rows)
+            runs = {}
+            for config in [default] + configs:
+                tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, config.block_rows)
+                x_tiled = jnp.zeros((tiles.tile_experts.shape[0] * config.block_rows, k), x.dtype).at[tiles.slots].set(x)
+                ours = jax.jit(functools.partial(moe_gemm.grouped_matmul, implementation=implementation, config=config))
+                label = "ours" if config == default else "ours, config"
+                c = config
+                runs[f"{label} ({implementation} {c.block_rows}x{c.block_cols}x{c.block_k}x{c.stages})"] = (
+                    functools.partial(ours, x_tiled, w, tiles.tile_experts, tiles.used_tiles),
+                    lambda out, slots=tiles.slots: out[slots],
+                )
+            if not skip_peers:
+                for peer, fn in peers().items():
+                    if peer.startswith("xla") and tokens > 1024:
+                        log(f"| {tokens} | {name} | {peer} | skipped: its one-hot operand would take "
+                            f"{rows * EXPERTS * k * 2 / 2**30:.0f} GiB | | | |")
+                        continue
+                    f = jax.jit(fn)
+                    runs[peer] = (lambda f=f: f(x, w, jnp.asarray(sizes)), lambda out: out)
+            for label, (call, packed) in runs.items():
+                try:
+                    out = jax.block_until_ready(call())
+                    err = sampled_error(packed(out), x, w, sizes, np.random.default_rng(1))
+                    ms = dispatched_ms(call)
+                    log(f"| {tokens} | {name} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ms / roof:.2f} | {err:.1e} |")
+                except Exception as e:  # a peer that cannot take the shape (out of memory, unsupported)
+                    log(f"| {tokens} | {name} | {label} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+                    out = None
+                del out
+            log(f"| {tokens} | {name} | roofline | {roof:.3f} | | 1.00 | |")
+
+
+def bench_layer(token_counts):
+    config = Config()
+    key = jax.random.key(1)
+    ks = jax.random.split(key, 4)
+    p = dict(
+        router=jax.random.normal(ks[0], (HIDDEN, EXPERTS), jnp.float32) * 0.02,
+        router_bias=jnp.zeros(EXPERTS, jnp.float32),
+        experts_gate_up=(jax.random.normal(ks[1], (EXPERTS, HIDDEN, 2, WIDTH), jnp.float32) * 0.02).astype(jnp.bfloat16),
+        experts_down=(jax.random.normal(ks[2], (EXPERTS, WIDTH, HIDDEN), jnp.float32) * 0.02).astype(jnp.bfloat16),
+    )
+    log("\n| tokens | MoE layer (routed experts) | ms | error against the reference |")
+    log("| --- | --- | --- | --- |")
+    for tokens in token_counts:
+        x = jax.random.normal(jax.random.fold_in(ks[3], tokens), (1, tokens, HIDDEN), jnp.bfloat16)
+        results = {}
+        for implementation in ("pallas", "reference"):
+            f = jax.jit(lambda p, x, implementation=implementation: mlp.moe(p, x, config, implementation))
+            try:
+                results[implementation] = jax.block_until_ready(f(p, x))
+                ms = dispatched_ms(f, p, x)
+                err = ""
+                if implementation == "reference" and "pallas" in results:
+                    got, want = np.asarray(results["pallas"], np.float32), np.asarray(results["reference"], np.float32)
+                    err = f"pallas: {np.abs(got - want).max() / np.abs(want).max():.1e}"
+                log(f"| {tokens} | {implementation} | {ms:.3f} | {err} |")
+            except Exception as e:
+                log(f"| {tokens} | {implementation} | failed: {type(e).__name__}: {str(e)[:120]} | |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="8,64,1024,8192", help="token counts, comma-separated")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, layer")
+    parser.add_argument("--no-peers", action="store_true", help="time ours alone")
+    parser.add_argument("--configs", default="", help="more kernel configs to time, e.g. 128x128x64x4,64x256x64x4")
+    args = parser.parse_args()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    log("jax", jax.__version__, jax.devices())
+    if "gemm" not in args.skip:
+        bench_gemms(token_counts, args.no_peers, [parse_config(c) for c in args.configs.split(",") if c])
+    if "layer" not in args.skip:
+        bench_layer(token_counts)
+
+
+if __name__ == "__main__":
+    main()
