@@ -56,9 +56,8 @@ class ExpertTiles(NamedTuple):
 
 
 def max_tiles(rows: int, experts: int, tile_rows: int) -> int:
-    """Tiles of the layout: each nonempty expert wastes less than one tile, and one tile more at the
-    end where tiles are more than a row (the kernel reads an expert's last tile with its neighbour)."""
-    return (rows + min(experts, rows) * (tile_rows - 1)) // tile_rows + (tile_rows > 1)
+    """Tiles the layout needs at most: each nonempty expert wastes less than one tile."""
+    return (rows + min(experts, rows) * (tile_rows - 1)) // tile_rows
 
 
 def expert_tiles(group_sizes, rows: int, tile_rows: int) -> ExpertTiles:
@@ -169,11 +168,9 @@ def _gemm_kernel(
 
     @pl.when(wg == 2)
     def _feed():
-        # Both tiles of a pair in one copy (a lone tile's neighbour rows come along unused; past the
-        # end TMA reads zeros), then the weight block.
         @pl.loop(0, my_items)
         def _(i):
-            expert, first, _, col = item(i)
+            expert, first, count, col = item(i)
 
             @pl.loop(0, k_steps)
             def _(kk):
@@ -184,11 +181,19 @@ def _gemm_kernel(
                 def _():
                     plgpu.barrier_wait(consumed.at[slot])
 
+                k_cols = pl.ds(kk * bk, bk)
+                for tiles in (1, 2):  # the pair's rows, then the weight block: two arrivals either way
+
+                    @pl.when(count == tiles)
+                    def _():
+                        plgpu.copy_gmem_to_smem(
+                            x_ref.at[pl.ds(first * rows, tiles * rows), k_cols],
+                            x_smem.at[slot, pl.ds(0, tiles * rows)],
+                            loaded.at[slot],
+                        )
+
                 plgpu.copy_gmem_to_smem(
-                    x_ref.at[pl.ds(first * rows, 2 * rows), pl.ds(kk * bk, bk)], x_smem.at[slot], loaded.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(
-                    w_ref.at[expert, pl.ds(kk * bk, bk), pl.ds(col * bn, bn)], w_smem.at[slot], loaded.at[slot]
+                    w_ref.at[expert, k_cols, pl.ds(col * bn, bn)], w_smem.at[slot], loaded.at[slot]
                 )
 
         # Every slot's last release observed, so the barriers end in step with their waiters.
@@ -198,43 +203,53 @@ def _gemm_kernel(
         def _(step):
             plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
+    def multiply(i, first, col, tile, col_start, width):
+        """This warpgroup's share of item i: the pair's tile `tile` times weight columns
+        [col_start, col_start + width) of the block; every step's slot released to the feeder."""
+
+        def accumulate(acc):
+            @pl.loop(0, k_steps)
+            def _(kk):
+                step = i * k_steps + kk
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(loaded.at[slot])
+                plgpu.wgmma(acc, x_smem.at[slot, pl.ds(tile * rows, rows)], w_smem.at[slot, :, pl.ds(col_start, width)])
+                plgpu.wgmma_wait(1)  # the previous step's product is done with its slot
+
+                @pl.when(kk > 0)
+                def _():
+                    plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+            result = acc[...].astype(out_smem.dtype)  # waits for the last product
+            plgpu.barrier_arrive(consumed.at[lax.rem(i * k_steps + k_steps - 1, stages)])
+            return result
+
+        result = pl.run_scoped(accumulate, plgpu.ACC((rows, width), jnp.float32))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read out_smem
+        half = bn // 2  # out_smem holds a warpgroup's result in column halves, each contiguous for TMA
+        for h in range(width // half):
+            out_smem[wg, h] = result[:, h * half:(h + 1) * half]
+        plgpu.commit_smem()
+        for h in range(width // half):
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, h], o_ref.at[pl.ds((first + tile) * rows, rows), pl.ds(col * bn + col_start + h * half, half)]
+            )
+
     @pl.when(wg < 2)
     def _compute():
-        # Warpgroup wg multiplies the pair's tile wg (if the pair has it) by the weight block.
+        # A pair: each warpgroup multiplies one tile by the whole block. A lone tile: each multiplies
+        # it by half the block's columns, so the item takes about half a pair's time.
         @pl.loop(0, my_items)
         def _(i):
             _, first, count, col = item(i)
-            active = wg < count
 
-            def accumulate(acc):
-                @pl.loop(0, k_steps)
-                def _(kk):
-                    step = i * k_steps + kk
-                    slot = lax.rem(step, stages)
-                    plgpu.barrier_wait(loaded.at[slot])
-
-                    @pl.when(active)
-                    def _():
-                        plgpu.wgmma(acc, x_smem.at[slot, pl.ds(wg * rows, rows)], w_smem.at[slot])
-
-                    plgpu.wgmma_wait(1)  # the previous step's product is done with its slot
-
-                    @pl.when(kk > 0)
-                    def _():
-                        plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
-
-                result = acc[...].astype(out_smem.dtype)  # waits for the last product
-                plgpu.barrier_arrive(consumed.at[lax.rem(i * k_steps + k_steps - 1, stages)])
-                return result
-
-            result = pl.run_scoped(accumulate, plgpu.ACC((rows, bn), jnp.float32))
-
-            @pl.when(active)
+            @pl.when(count == 2)
             def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read it
-                out_smem[wg] = result
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], o_ref.at[pl.ds((first + wg) * rows, rows), pl.ds(col * bn, bn)])
+                multiply(i, first, col, wg, 0, bn)
+
+            @pl.when(count == 1)
+            def _():
+                multiply(i, first, col, 0, wg * (bn // 2), bn // 2)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -243,7 +258,7 @@ def _grouped_matmul_kernel(x, weights, tile_experts, used_tiles, *, config: Gemm
     bn, bk, stages = config.block_cols, config.block_k, config.stages
     swizzle = plgpu.find_swizzle(bk * 16)
     operand = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-    out_swizzle = plgpu.find_swizzle(bn * 16)
+    out_swizzle = plgpu.find_swizzle(bn // 2 * 16)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
     pairs, used_pairs = _pair_table(tile_experts, used_tiles, weights.shape[0])
     kernel = plgpu.kernel(
@@ -256,7 +271,7 @@ def _grouped_matmul_kernel(x, weights, tile_experts, used_tiles, *, config: Gemm
         scratch_types=(
             plgpu.SMEM((stages, 2 * TILE_ROWS, bk), x.dtype, transforms=operand),
             plgpu.SMEM((stages, bk, bn), x.dtype, transforms=operand),
-            plgpu.SMEM((2, TILE_ROWS, bn), x.dtype, transforms=out_transforms),
+            plgpu.SMEM((2, 2, TILE_ROWS, bn // 2), x.dtype, transforms=out_transforms),  # [warpgroup, column half]
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # loaded: a pair's rows and the weight block
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # consumed: by both compute warpgroups
         ),
