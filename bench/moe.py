@@ -71,9 +71,9 @@ def sampled_error(out_rows, x_rows, w, sizes, rng):
 
 
 def parse_config(text):
-    """`<block_cols>x<block_k>x<stages>`, e.g. 256x64x3."""
-    cols, k, stages = (int(v) for v in text.split("x"))
-    return moe_gemm.GemmConfig(block_cols=cols, block_k=k, stages=stages)
+    """`<block_rows>x<block_cols>x<block_k>x<stages>`, e.g. 128x256x64x3."""
+    rows, cols, k, stages = (int(v) for v in text.split("x"))
+    return moe_gemm.GemmConfig(block_rows=rows, block_cols=cols, block_k=k, stages=stages)
 
 
 def bench_gemms(token_counts, skip_peers, configs):
@@ -90,19 +90,20 @@ def bench_gemms(token_counts, skip_peers, configs):
             data = np.count_nonzero(sizes) * k * n * 2 + rows * (k + n) * 2
             roof = max(flops / MATMUL, data / HBM) * 1e3
 
-            implementation, tile_rows, default = moe_gemm.plan(None, x, (w,), rows=rows)
-            tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, tile_rows)
-            x_tiled = jnp.zeros((tiles.tile_experts.shape[0] * tile_rows, k), x.dtype).at[tiles.slots].set(x)
+            implementation, default = moe_gemm.plan(None, x, (w,), rows=rows)
             runs = {}
             for config in [default] + configs:
+                tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, config.block_rows)
+                log(f"| {tokens} | {name} | rows {rows}, in {config.block_rows}-row tiles "
+                    f"{int(tiles.used_tiles) * config.block_rows} | | | | |")
+                x_tiled = jnp.zeros((tiles.tile_experts.shape[0] * config.block_rows, k), x.dtype).at[tiles.slots].set(x)
                 ours = jax.jit(functools.partial(moe_gemm.grouped_matmul, implementation=implementation, config=config))
                 label = "ours" if config == default else "ours, config"
                 c = config
-                runs[f"{label} ({implementation} {c.block_cols}x{c.block_k}x{c.stages})"] = (
+                runs[f"{label} ({implementation} {c.block_rows}x{c.block_cols}x{c.block_k}x{c.stages})"] = (
                     functools.partial(ours, x_tiled, w, tiles.tile_experts, tiles.used_tiles),
-                    lambda out: out[tiles.slots],
+                    lambda out, slots=tiles.slots: out[slots],
                 )
-            log(f"| {tokens} | {name} | rows {rows}, in the tiled layout {int(tiles.used_tiles) * tile_rows} | | | | |")
             if not skip_peers:
                 for peer, fn in peers().items():
                     if peer.startswith("xla") and tokens > 1024:
@@ -158,7 +159,9 @@ def main():
     parser.add_argument("--tokens", default="8,64,1024,8192", help="token counts, comma-separated")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, layer")
     parser.add_argument("--no-peers", action="store_true", help="time ours alone")
-    parser.add_argument("--configs", default="", help="more kernel configs to time, <block_cols>x<block_k>x<stages>, e.g. 128x64x4,256x32x6")
+    parser.add_argument(
+        "--configs", default="", help="more kernel configs, <block_rows>x<block_cols>x<block_k>x<stages>, e.g. 128x128x64x4"
+    )
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
     log("jax", jax.__version__, jax.devices())

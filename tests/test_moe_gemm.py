@@ -21,37 +21,37 @@ from pallas_kernels.kda_chain import lower_for_h200
 TOLERANCE = 5e-3
 
 
-def numpy_tiles(sizes, tile_rows):
+def numpy_tiles(sizes, block_rows):
     """(slots, tile_experts of the used tiles) built row by row."""
     slots, tile_experts, tile = [], [], 0
     for expert, size in enumerate(sizes):
-        tiles = -(-size // tile_rows)
-        slots += [tile * tile_rows + r for r in range(size)]
+        tiles = -(-size // block_rows)
+        slots += [tile * block_rows + r for r in range(size)]
         tile_experts += [expert] * tiles
         tile += tiles
     return np.array(slots, np.int32), np.array(tile_experts, np.int32)
 
 
-@pytest.mark.parametrize("tile_rows", [1, 64, 128])
+@pytest.mark.parametrize("block_rows", [1, 64, 128])
 @pytest.mark.parametrize("sizes", [[0, 5, 0, 64, 65, 1], [300], [0, 0, 1], [128, 127, 129, 0]])
-def test_expert_tiles_match_a_row_by_row_layout(sizes, tile_rows):
+def test_expert_tiles_match_a_row_by_row_layout(sizes, block_rows):
     rows = sum(sizes)
-    tiles = moe_gemm.expert_tiles(jnp.array(sizes), rows, tile_rows)
-    slots, tile_experts = numpy_tiles(sizes, tile_rows)
+    tiles = moe_gemm.expert_tiles(jnp.array(sizes), rows, block_rows)
+    slots, tile_experts = numpy_tiles(sizes, block_rows)
     used = len(tile_experts)
     assert int(tiles.used_tiles) == used
-    assert tiles.tile_experts.shape[0] == moe_gemm.max_tiles(rows, len(sizes), tile_rows) >= used
+    assert tiles.tile_experts.shape[0] == moe_gemm.max_tiles(rows, len(sizes), block_rows) >= used
     np.testing.assert_array_equal(tiles.slots, slots)
     np.testing.assert_array_equal(tiles.tile_experts[:used], tile_experts)
 
 
-def tiled_operands(seed, sizes, k, n, tile_rows=moe_gemm.TILE_ROWS):
+def tiled_operands(seed, sizes, k, n, block_rows):
     kx, kw = jax.random.split(jax.random.key(seed))
     rows = sum(sizes)
-    tiles = moe_gemm.expert_tiles(jnp.array(sizes, jnp.int32), rows, tile_rows)
+    tiles = moe_gemm.expert_tiles(jnp.array(sizes, jnp.int32), rows, block_rows)
     x = jax.random.normal(kx, (rows, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (len(sizes), k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
-    x_tiled = jnp.zeros((tiles.tile_experts.shape[0] * tile_rows, k), jnp.bfloat16).at[tiles.slots].set(x)
+    x_tiled = jnp.zeros((tiles.tile_experts.shape[0] * block_rows, k), jnp.bfloat16).at[tiles.slots].set(x)
     return x, w, tiles, x_tiled
 
 
@@ -62,37 +62,37 @@ def numpy_products(x, w, sizes):
     return np.concatenate([x[starts[g]:starts[g + 1]] @ w[g] for g in range(len(sizes))])
 
 
-@pytest.mark.parametrize("tile_rows", [1, 64])
-def test_reference_matches_numpy(tile_rows):
+@pytest.mark.parametrize("block_rows", [1, 64])
+def test_reference_matches_numpy(block_rows):
     sizes = [3, 0, 70, 1]
-    x, w, tiles, x_tiled = tiled_operands(0, sizes, 64, 128, tile_rows)
+    x, w, tiles, x_tiled = tiled_operands(0, sizes, 64, 128, block_rows)
     out = moe_gemm.grouped_matmul_reference(x_tiled, w, tiles.tile_experts, tiles.used_tiles)
     assert out.shape == (x_tiled.shape[0], 128) and out.dtype == jnp.bfloat16
     assert relative_error(np.asarray(out)[np.asarray(tiles.slots)], numpy_products(x, w, sizes)) < TOLERANCE
 
 
 KERNEL_CASES = [
-    # sizes, K, N, config (block_cols, block_k, stages)
-    ([100, 0, 1, 64, 135], 128, 256, (256, 64, 2)),  # empty expert, one row, a full tile, ragged tails, lone tiles
-    ([1], 64, 128, (128, 64, 3)),  # one row; K one step (fewer steps than stages)
-    ([0, 0, 130], 192, 256, (256, 64, 3)),  # a pair, then a lone 2-row tile; K three steps
-    ([40, 90, 7, 0, 128, 300], 128, 512, (256, 64, 2)),  # two column blocks per item; more items than SMs
+    # sizes, K, N, config (block_rows x block_cols x block_k x stages)
+    ([100, 0, 1, 64, 135], 128, 256, (64, 256, 64, 2)),  # empty expert, one row, a full tile, ragged tails
+    ([1], 64, 128, (64, 128, 64, 3)),  # one row; K one step (fewer steps than stages)
+    ([0, 0, 130], 192, 256, (128, 256, 64, 3)),  # 128-row tiles, a 2-row tail; K three steps
+    ([40, 90, 7, 0, 128, 300], 128, 512, (128, 256, 64, 2)),  # two column blocks per tile; more items than CTAs
 ]
 
 
 @pytest.mark.parametrize("sizes, k, n, config", KERNEL_CASES)
 def test_kernel_matches_numpy_and_reference(sizes, k, n, config):
     config = moe_gemm.GemmConfig(*config)
-    x, w, tiles, x_tiled = tiled_operands(len(sizes) + k, sizes, k, n)
+    x, w, tiles, x_tiled = tiled_operands(len(sizes) + k, sizes, k, n, config.block_rows)
     args = (x_tiled, w, tiles.tile_experts, tiles.used_tiles)
-    # The race detector checks the pipeline's barriers: a slot refilled before both warpgroups are done.
+    # The race detector checks the pipeline: a slot refilled before the warpgroups are done with it.
     out = moe_gemm.grouped_matmul(
         *args, implementation="pallas", config=config, interpret=plgpu.InterpretGPUParams(detect_races=True)
     )
     assert not gpu_callbacks.get_races().races_found
     ref = moe_gemm.grouped_matmul(*args, implementation="reference")
     assert out.shape == ref.shape == (x_tiled.shape[0], n) and out.dtype == jnp.bfloat16
-    used_rows = int(tiles.used_tiles) * moe_gemm.TILE_ROWS
+    used_rows = int(tiles.used_tiles) * config.block_rows
     assert relative_error(np.asarray(out)[np.asarray(tiles.slots)], numpy_products(x, w, sizes)) < TOLERANCE
     assert relative_error(out[:used_rows], ref[:used_rows]) < TOLERANCE
 
@@ -120,34 +120,36 @@ def test_moe_layer_through_the_kernel_matches_the_reference(tokens):
     assert relative_error(got, want) < TOLERANCE
 
 
-@pytest.mark.parametrize("rows", [65536, 64])
-def test_kernel_lowers_for_the_gpu_at_the_model_shapes(rows):
+@pytest.mark.parametrize("rows, block_rows", [(65536, 128), (64, 64)])
+def test_kernel_lowers_for_the_gpu_at_the_model_shapes(rows, block_rows):
     """GLM-5.3's gate_up and down products: the lowering checks SMEM, TMA shapes and wgmma operands."""
     for k, n in [(4096, 4096), (2048, 4096)]:
-        tiles = moe_gemm.max_tiles(rows, 288, moe_gemm.TILE_ROWS)
+        config = moe_gemm.GemmConfig(block_rows=block_rows)
+        tiles = moe_gemm.max_tiles(rows, 288, block_rows)
         shapes = [
-            jax.ShapeDtypeStruct((tiles * moe_gemm.TILE_ROWS, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((tiles * block_rows, k), jnp.bfloat16),
             jax.ShapeDtypeStruct((288, k, n), jnp.bfloat16),
             jax.ShapeDtypeStruct((tiles,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.int32),
         ]
-        text = lower_for_h200(lambda *a: moe_gemm.grouped_matmul(*a, implementation="pallas"), *shapes).as_text()
+        text = lower_for_h200(
+            lambda *a: moe_gemm.grouped_matmul(*a, implementation="pallas", config=config), *shapes
+        ).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
 
 
-def test_plan_takes_the_widest_column_block():
+def test_plan_picks_tiles_by_rows_per_expert():
     x = jnp.zeros((8, 4096), jnp.bfloat16)
     weights = (jax.ShapeDtypeStruct((288, 4096, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((288, 2048, 4096), jnp.bfloat16))
-    assert moe_gemm.plan("pallas", x, weights, rows=64) == ("pallas", 64, moe_gemm.GemmConfig(block_cols=256))
-    narrow = (jax.ShapeDtypeStruct((16, 128, 384), jnp.bfloat16),)
-    assert moe_gemm.plan("pallas", x[:, :128], narrow, rows=64) == ("pallas", 64, moe_gemm.GemmConfig(block_cols=128))
-    assert moe_gemm.plan("reference", x, weights, rows=64)[:2] == ("reference", 1)
+    assert moe_gemm.plan("pallas", x, weights, rows=65536) == ("pallas", moe_gemm.GemmConfig(block_rows=128))
+    assert moe_gemm.plan("pallas", x, weights, rows=64) == ("pallas", moe_gemm.GemmConfig(block_rows=64))
+    assert moe_gemm.plan("reference", x, weights, rows=64) == ("reference", moe_gemm.GemmConfig(block_rows=1))
     # On the CPU the automatic choice is the reference.
     assert moe_gemm.plan(None, x, weights, rows=64)[0] == "reference"
 
 
 def test_bad_arguments_are_named():
-    x, w, tiles, x_tiled = tiled_operands(0, [3, 5], 64, 128)
+    x, w, tiles, x_tiled = tiled_operands(0, [3, 5], 64, 128, 64)
     args = (x_tiled, w, tiles.tile_experts, tiles.used_tiles)
     with pytest.raises(ValueError, match="weights \\[G, K, N\\]"):
         moe_gemm.grouped_matmul(x_tiled[:, :32], *args[1:])
@@ -160,10 +162,8 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="bf16 x and weights"):
         moe_gemm.grouped_matmul(x_tiled.astype(jnp.float32), w, *args[2:], implementation="pallas")
     with pytest.raises(ValueError, match="N = 128 must be a multiple of block_cols = 256"):
-        moe_gemm.grouped_matmul(*args, implementation="pallas")
-    packed = moe_gemm.expert_tiles(jnp.array([3, 5]), 8, 1)
-    with pytest.raises(ValueError, match="T \\* 64"):
+        moe_gemm.grouped_matmul(*args, implementation="pallas", config=moe_gemm.GemmConfig(block_rows=64))
+    with pytest.raises(ValueError, match="T \\* block_rows"):
         moe_gemm.grouped_matmul(
-            x_tiled[:8], w, packed.tile_experts, packed.used_tiles, implementation="pallas",
-            config=moe_gemm.GemmConfig(block_cols=128),
+            *args, implementation="pallas", config=moe_gemm.GemmConfig(block_rows=128, block_cols=128)
         )
