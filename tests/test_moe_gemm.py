@@ -107,7 +107,7 @@ def moe_params(seed, d, width, experts):
     )
 
 
-@pytest.mark.parametrize("tokens", [1, 37 * 3])
+@pytest.mark.parametrize("tokens", [pytest.param(1, marks=pytest.mark.slow), 37 * 3])
 def test_moe_layer_through_the_kernel_matches_the_reference(tokens):
     config = Config().replace(
         hidden_size=128, moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=0
