@@ -99,8 +99,8 @@ def bench_gemms(token_counts, skip_peers, configs):
                 x_tiled = jnp.zeros((tiles.tile_experts.shape[0] * config.block_rows, k), x.dtype).at[tiles.slots].set(x)
                 ours = jax.jit(functools.partial(moe_gemm.grouped_matmul, implementation=implementation, config=config))
                 label = "ours" if config == default else "ours, config"
-                c = config
-                runs[f"{label} ({implementation} {c.block_rows}x{c.block_cols}x{c.block_k}x{c.stages})"] = (
+                shape = f"{config.block_rows}x{config.block_cols}x{config.block_k}x{config.stages}"
+                runs[f"{label} ({implementation} {shape})"] = (
                     functools.partial(ours, x_tiled, w, tiles.tile_experts, tiles.used_tiles),
                     lambda out, slots=tiles.slots: out[slots],
                 )

@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-IMPLEMENTATIONS = (None, "reference", "pallas")
+from pallas_kernels.kda import _pick
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +107,6 @@ def _kernel_unsupported(dtype, weights, config: GemmConfig):
     return None
 
 
-def _pick(implementation, dtype, weights, config):
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    unsupported = _kernel_unsupported(dtype, weights, config)
-    if implementation is None:
-        return "pallas" if jax.default_backend() == "gpu" and unsupported is None else "reference"
-    if implementation == "pallas" and unsupported is not None:
-        raise ValueError(f"the grouped GEMM kernel does not support this call: {unsupported}")
-    return implementation
-
-
 def plan(implementation, x, weights, *, rows: int):
     """(implementation, GemmConfig) for the grouped GEMMs of one MoE call: x [.., K] the tokens, weights
     the [G, K, N] operands the rows go through, `rows` tokens x experts per token.
@@ -128,7 +118,7 @@ def plan(implementation, x, weights, *, rows: int):
     experts = weights[0].shape[0]
     block_cols = 256 if all(w.shape[2] % 256 == 0 for w in weights) else 128
     config = GemmConfig(block_rows=128 if rows > 64 * experts else 64, block_cols=block_cols)
-    picks = {_pick(implementation, x.dtype, w, config) for w in weights}
+    picks = {_pick(implementation, _kernel_unsupported(x.dtype, w, config), x.dtype) for w in weights}
     if picks == {"pallas"}:
         return "pallas", config
     return "reference", GemmConfig(block_rows=1)
@@ -233,7 +223,7 @@ def grouped_matmul(
     runs the kernel in Pallas' interpreter.
     """
     _check(x, weights, tile_experts, used_tiles)
-    impl = _pick(implementation, x.dtype, weights, config)
+    impl = _pick(implementation, _kernel_unsupported(x.dtype, weights, config), x.dtype)
     if impl == "reference":
         return grouped_matmul_reference(x, weights, tile_experts, used_tiles)
     if x.shape[0] != tile_experts.shape[0] * config.block_rows:
