@@ -5,11 +5,11 @@
 1. The shipped tiny checkpoint, fp32, through the pure-jnp references: logits against the
    transformers goldens; greedy generation against transformers' cached generation. (Its KDA head
    dim, 32, is below the chunked scan's (64, 128), so the kernels are checked on the wider config.)
-2. A wider config (hidden 2048, 4 layers: 3 KDA + 1 DSA, 32 KDA heads of dim 128, dense MLPs;
-   random bf16 params): forward of 1 x 4096 tokens and a decode step at batch 8 over 4096 cached
-   tokens, median ms, and the Pallas path's logits against the references' (max|d| / max|ref|).
-   The MLPs are dense because the MoE has no GPU grouped GEMM yet (ragged_dot lowers to a dense
-   one-hot product there).
+2. A wider config (hidden 2048, 4 layers: 3 KDA + 1 DSA, 32 KDA heads of dim 128, 16 DSA heads;
+   a dense MLP, then MoEs of 64 experts (8 a token, width 1024); random bf16 params): forward of
+   1 x 4096 tokens and a decode step at batch 8 over 4096 cached tokens, median ms, and the Pallas
+   path's logits against the references' (max|d| / max|ref|). The Pallas path runs every kernel:
+   the KDA scan and decode step, the MoE's grouped GEMM and DSA's latent attention.
 """
 
 import os
@@ -58,11 +58,20 @@ def parity(goldens):
     return rows, same
 
 
-def timings():
+def agreement(a, b):
+    """Share of positions whose top logit is the same token."""
+    return float((np.asarray(a).argmax(-1) == np.asarray(b).argmax(-1)).mean())
+
+
+def timings(mlps):
+    """mlps "dense": every MLP dense (as the earlier sessions timed it); "moe": a dense MLP, then MoEs.
+    Rows: (workload, kernels, ms, max|d|/max|ref|, top-1 agreement) against the references."""
+    moe = dict(mlp_layer_types=("dense",) + ("sparse",) * 3, n_routed_experts=64, moe_intermediate_size=1024)
     config = glm5next_jax.Config(
         vocab_size=32768, hidden_size=2048, num_hidden_layers=4, intermediate_size=6144,
         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
-        index_topk=2048, index_kpool=4, linear_num_heads=32, mlp_layer_types=("dense",) * 4,
+        index_topk=2048, index_kpool=4, linear_num_heads=32,
+        **(moe if mlps == "moe" else dict(mlp_layer_types=("dense",) * 4)),
     )
     params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
     ids = jax.random.randint(jax.random.key(1), (1, 4096), 2, config.vocab_size)
@@ -70,7 +79,8 @@ def timings():
     for impl in ("reference", None):
         ms = median_ms(lambda: glm5next_jax.forward(params, config, ids, implementation=impl), reps=5)
         logits[impl] = glm5next_jax.forward(params, config, ids, implementation=impl)
-        rows.append(("forward 1x4096 bf16", impl or "auto (pallas)", ms, rel(logits[impl], logits["reference"])))
+        rows.append((f"{mlps}: forward 1x4096 bf16", impl or "auto (pallas)", ms, rel(logits[impl], logits["reference"]),
+                     agreement(logits[impl], logits["reference"])))
     cache = glm5next_jax.init_cache(config, 8, 4096 + 64, dtype="bfloat16", latent_dtype="float8_e4m3fn")
     prompt = jax.random.randint(jax.random.key(2), (8, 4096), 2, config.vocab_size)
     _, cache = glm5next_jax.prefill(params, config, prompt, None, cache)
@@ -84,8 +94,8 @@ def timings():
             out, state["cache"] = glm5next_jax.decode_step(params, config, tokens, state["cache"], implementation=impl)
             return out
 
-        rows.append(("decode step, batch 8, 4096 cached", impl or "auto (pallas)", median_ms(step),
-                     rel(logits[impl], logits["reference"])))
+        rows.append((f"{mlps}: decode step, batch 8, 4096 cached", impl or "auto (pallas)", median_ms(step),
+                     rel(logits[impl], logits["reference"]), agreement(logits[impl], logits["reference"])))
     return rows
 
 
@@ -97,10 +107,11 @@ def main():
     for case, impl, err in rows:
         print(f"| {case} | {impl} | {err:.2e} |")
     print(f"\ngreedy generation, 2 x 32 tokens: {same}/64 identical to transformers' cached generation")
-    print("\n| workload | kernels | median ms | logits max|d|/max|ref| vs the references |")
-    print("|---|---|---|---|")
-    for name, impl, ms, err in timings():
-        print(f"| {name} | {impl} | {ms:.2f} | {err:.2e} |")
+    print("\n| workload | kernels | median ms | logits max|d|/max|ref| vs the references | top-1 agreement |")
+    print("|---|---|---|---|---|")
+    for mlps in ("dense", "moe"):
+        for name, impl, ms, err, same in timings(mlps):
+            print(f"| {name} | {impl} | {ms:.2f} | {err:.2e} | {same:.4f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, 
 
         def attend(pa, h, i=i, lc=lc, indices=indices):
             if config.layer_types[i] == DSA:
-                y, new_lc, idx = dsa_layer_cached(pa, h, config, lc, cache["page_table"], start, valid, indices)
+                y, new_lc, idx = dsa_layer_cached(pa, h, config, lc, cache["page_table"], start, valid, indices, implementation)
                 return y, (new_lc, idx)
             if decode:
                 y, new_lc = kda_layer_decode(pa, h, config, lc, implementation)

@@ -39,7 +39,7 @@ def uncached_attention(config: Config, layer: int, padding_mask, shared_indices,
 
     def attend(p, h):
         if config.layer_types[layer] == DSA:
-            return dsa_layer(p, h, config, padding_mask, shared_indices)
+            return dsa_layer(p, h, config, padding_mask, shared_indices, implementation)
         return kda_layer(p, h, config, padding_mask, implementation), None
 
     return attend

@@ -1,15 +1,39 @@
 """DSA attention in the absorbed latent form: each query attends to its selected tokens' latents.
 
 Scores are q_lat . c (q_lat is the query mapped into the kv_lora space through q_absorb, c the
-normalised latent); the output stays in latent space (o_absorb maps it to the hidden size).
-Selected indices may repeat (a token counts once) and -1 marks an empty slot.
+normalised latent); the output stays in latent space (o_absorb maps it to the hidden size). The keys
+and the values are the same latents, so a query's whole work is one gather of its selected rows and
+two products per block of them, for every head at once.
+
+Two implementations behind `sparse_latent_attention`:
+- `sparse_latent_attention_reference`: dense scores over all S keys, masked to the selection (query
+  blocks keep the [H, T, S] scores from being whole); any device, and the oracle of the kernel.
+- the Pallas kernel (Triton backend, GPU): one program per (head group, query, sequence) walks the
+  query's selection in blocks of `block_tokens`, gathers those latent rows (Triton pipelines the
+  row loads into shared memory with cp.async; Mosaic GPU's TMA cannot write single rows into the
+  8-row tiles wgmma reads), and keeps an online softmax: FLOPs and bytes in the selection's width
+  W, not in S.
+Selected indices may repeat (a token counts once) and -1 marks an empty slot. The kernel counts a
+repeated index once only when `distinct_indices` is False (the default), by marking repeats empty
+before the launch (a sort of each row); the model's selections are distinct by construction (whole
+disjoint pools and the tail after them) and say so.
 """
+
+import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.kda import _pick
 
 HIGHEST = jax.lax.Precision.HIGHEST
 QUERY_BLOCK = 256
+MAX_BLOCK_HEADS = 64  # heads a program attends for: its fp32 output [64, R] fills the registers at R = 512
+LATENT_DIMS = (64, 128, 256, 512)
 
 
 def sparse_latent_attention_reference(q_lat, latents, indices, *, scale):
@@ -46,8 +70,133 @@ def sparse_latent_attention_reference(q_lat, latents, indices, *, scale):
     return out.astype(q_lat.dtype)
 
 
-def sparse_latent_attention(q_lat, latents, indices, *, scale):
-    """Validated entry point; see `sparse_latent_attention_reference`."""
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """The kernel's tiling: `block_tokens` selected rows per step, `num_warps` per program (8: two
+    warpgroups share the [heads, R] fp32 output), `num_stages` row blocks in flight, `splits` parts
+    of each query's selection walked by programs of their own (None: enough to give every SM two
+    programs when (head groups x queries) are fewer; their partial softmaxes are merged after)."""
+
+    block_tokens: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    splits: int | None = None
+
+
+def _attend_kernel(q_ref, latents_ref, indices_ref, *out_refs, scale, block_tokens, splits):
+    """One head group of one query (and one part of its selection): an online softmax (base 2) over
+    the selected rows, block by block. With one split the output is normalised here; with several,
+    each part leaves its normalised output, running max and sum for `_merge_splits`."""
+    gs, t, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, split = gs // splits, gs % splits
+    heads = out_refs[0].shape[-2] // (pl.num_programs(0) // splits)
+    r = q_ref.shape[3]
+    q = q_ref[b, t, pl.ds(g * heads, heads), :]  # [heads, R]
+    c = scale * math.log2(math.e)
+    steps = indices_ref.shape[2] // block_tokens // splits
+
+    def step(i, carry):
+        acc, top, total = carry
+        idx = indices_ref[b, t, pl.ds((split * steps + i) * block_tokens, block_tokens)]
+        chosen = idx >= 0
+        keys = latents_ref[b, jnp.maximum(idx, 0), :]  # the gather: [block_tokens, R]
+        s = jnp.dot(q, keys.T, preferred_element_type=jnp.float32) * c
+        s = jnp.where(chosen[None, :], s, -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(s, axis=1))
+        alpha = jnp.exp2(top - new_top)
+        p = jnp.exp2(s - new_top[:, None])
+        total = total * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(keys.dtype), keys, preferred_element_type=jnp.float32)
+        return acc, new_top, total
+
+    init = (jnp.zeros((heads, r), jnp.float32), jnp.full((heads,), -1e30, jnp.float32), jnp.zeros((heads,), jnp.float32))
+    acc, top, total = jax.lax.fori_loop(0, steps, step, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[:, None]
+    rows = pl.ds(g * heads, heads)
+    if splits == 1:
+        out_refs[0][b, t, rows, :] = out.astype(out_refs[0].dtype)
+    else:
+        o_ref, top_ref, total_ref = out_refs
+        o_ref[b, t, split, rows, :] = out
+        top_ref[b, t, split, rows] = top
+        total_ref[b, t, split, rows] = total
+
+
+def _merge_splits(o, top, total):
+    """The parts' normalised outputs [B, T, splits, H, R] weighed by their share of the softmax sum."""
+    weight = total * jnp.exp2(top - top.max(axis=2, keepdims=True))  # [B, T, splits, H]
+    norm = weight.sum(axis=2)
+    merged = jnp.einsum("btsh,btshr->bthr", weight, o, precision=HIGHEST)
+    return merged / jnp.where(norm > 0, norm, 1.0)[..., None]
+
+
+def _mark_repeats_empty(indices):
+    """Each row's repeated indices after their first as -1 (the order of a row does not matter)."""
+    ordered = jnp.sort(indices, axis=-1)
+    repeat = jnp.concatenate([jnp.zeros_like(ordered[..., :1], bool), ordered[..., 1:] == ordered[..., :-1]], axis=-1)
+    return jnp.where(repeat, -1, ordered)
+
+
+def _kernel_unsupported(q_lat, latents):
+    r = q_lat.shape[-1]
+    if r not in LATENT_DIMS:
+        return f"the latent width R must be one of {LATENT_DIMS}, got {r}"
+    if q_lat.dtype != latents.dtype or q_lat.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q_lat and latents must both be bf16 or fp16, got {q_lat.dtype} and {latents.dtype}"
+    return None
+
+
+def _sparse_latent_attention_kernel(q_lat, latents, indices, *, scale, config, distinct_indices, interpret):
+    b, t, h, r = q_lat.shape
+    bt = config.block_tokens
+    # Triton's dots want power-of-two blocks of at least 16 rows: heads are padded up to one.
+    block_heads = min(MAX_BLOCK_HEADS, max(16, 1 << (h - 1).bit_length()))
+    padded_heads = -(-h // block_heads) * block_heads
+    groups = padded_heads // block_heads
+    q = jnp.pad(q_lat, [(0, 0), (0, 0), (0, padded_heads - h), (0, 0)])
+    if not distinct_indices:
+        indices = _mark_repeats_empty(indices)
+    blocks = -(-indices.shape[-1] // bt)
+    splits = config.splits or max(1, min(blocks, 2 * _sm_count() // (groups * t * b)))
+    blocks = -(-blocks // splits) * splits  # every split walks as many blocks
+    indices = jnp.pad(indices.astype(jnp.int32), [(0, 0), (0, 0), (0, blocks * bt - indices.shape[-1])], constant_values=-1)
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((b, t, splits, padded_heads, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, splits, padded_heads), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, splits, padded_heads), jnp.float32),
+        )
+    out = pl.pallas_call(
+        functools.partial(_attend_kernel, scale=scale, block_tokens=bt, splits=splits),
+        out_shape=out_shape,
+        grid=(groups * splits, t, b),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="sparse_latent_attention",
+    )(q, latents, indices)
+    if splits > 1:
+        out = _merge_splits(*out).astype(q.dtype)
+    return out[:, :, :h]
+
+
+def _sm_count():
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) or 132 if device.platform == "gpu" else 1
+
+
+def sparse_latent_attention(
+    q_lat, latents, indices, *, scale, implementation=None, config=KernelConfig(), distinct_indices=False,
+    interpret=False,
+):
+    """q_lat [B, T, H, R]; latents [B, S, R]; indices [B, T, W] int32 into S (-1 = empty) -> o_lat
+    [B, T, H, R] in q_lat.dtype, as `sparse_latent_attention_reference`.
+
+    `implementation`: None (the kernel on GPU for bf16 inputs, else the reference), "reference" or
+    "pallas". `distinct_indices`: the caller promises no row repeats an index (the kernel then skips
+    marking repeats). `interpret` runs the kernel in Pallas' interpreter.
+    """
     if q_lat.ndim != 4:
         raise ValueError(f"q_lat must be [B, T, H, R], got {q_lat.shape}")
     b, t, _, r = q_lat.shape
@@ -55,4 +204,15 @@ def sparse_latent_attention(q_lat, latents, indices, *, scale):
         raise ValueError(f"latents must be [B, S, R] = [{b}, S, {r}], got {latents.shape}")
     if indices.ndim != 3 or indices.shape[:2] != (b, t):
         raise ValueError(f"indices must be [B, T, W] with B, T = {(b, t)}, got {indices.shape}")
-    return sparse_latent_attention_reference(q_lat, latents, indices, scale=scale)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(f"indices must be integers, got {indices.dtype}")
+    if config.block_tokens not in (16, 32, 64, 128):
+        raise ValueError(f"config.block_tokens must be 16, 32, 64 or 128, got {config.block_tokens}")
+    if config.splits is not None and config.splits < 1:
+        raise ValueError(f"config.splits must be None or at least 1, got {config.splits}")
+    impl = _pick(implementation, _kernel_unsupported(q_lat, latents), q_lat.dtype)
+    if impl == "reference":
+        return sparse_latent_attention_reference(q_lat, latents, indices, scale=scale)
+    return _sparse_latent_attention_kernel(
+        q_lat, latents, indices, scale=scale, config=config, distinct_indices=distinct_indices, interpret=interpret
+    )

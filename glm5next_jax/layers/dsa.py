@@ -67,6 +67,15 @@ def latent_output(p, o_lat):
     return linear(o_lat.reshape(*o_lat.shape[:-2], -1), p["o_absorb"])
 
 
+def attend_selected(p, q_resid, latents, indices, config, implementation):
+    """o_lat [B, T, H, R]: each query over its selected latents. A selection is distinct by
+    construction (whole disjoint pools, then the tail after the last of them)."""
+    return sparse_latent_attention(
+        latent_query(p, q_resid, config), latents, indices, scale=config.qk_head_dim**-0.5,
+        implementation=implementation, distinct_indices=True,
+    )
+
+
 def indexer_select(p, h, q_resid, key_valid, config):
     """The indexer over a whole sequence: selected key indices [B, T, W] (-1 padded) per query."""
     b, t = h.shape[:2]
@@ -83,11 +92,12 @@ def indexer_select(p, h, q_resid, key_valid, config):
     )
 
 
-def dsa_layer(p, h, config, key_valid, shared_indices=None):
+def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None):
     """Uncached DSA sublayer. h [B, T, D]; key_valid [B, T] bool (the padding mask).
 
     A "full" layer (p has an indexer) selects its tokens; a "shared" layer takes `shared_indices`
-    from the preceding full layer. Returns (y [B, T, D], selected indices [B, T, W]).
+    from the preceding full layer. `implementation` picks the latent attention (as in `forward`).
+    Returns (y [B, T, D], selected indices [B, T, W]).
     """
     q_resid = rms_norm(linear(h, p["q_a_proj"]), p["q_a_norm"], config.rms_norm_eps)
     latents = rms_norm(linear(h, p["kv_a_proj"]), p["kv_a_norm"], config.rms_norm_eps)
@@ -97,9 +107,7 @@ def dsa_layer(p, h, config, key_valid, shared_indices=None):
         raise ValueError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
     else:
         indices = shared_indices
-    o_lat = sparse_latent_attention(
-        latent_query(p, q_resid, config), latents, indices, scale=config.qk_head_dim**-0.5
-    )
+    o_lat = attend_selected(p, q_resid, latents, indices, config, implementation)
     return latent_output(p, o_lat), indices
 
 
@@ -121,9 +129,10 @@ def complete_pools(layer_cache, page_table, ape, start, end, n_new):
     return pool_keys_cache.at[batch, jnp.where(done, pool, max_pools)].set(keys.astype(pool_keys_cache.dtype), mode="drop")
 
 
-def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared_indices=None):
+def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared_indices=None, implementation=None):
     """DSA over new tokens appended to the cache. h [B, T, D]; start [B] tokens already cached;
-    valid [B, T] marks each row's new tokens (a prefix). Returns (y, new layer cache, indices)."""
+    valid [B, T] marks each row's new tokens (a prefix); `implementation` as in `dsa_layer`.
+    Returns (y, new layer cache, indices)."""
     b, t = h.shape[:2]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
     end = start + valid.sum(-1, dtype=jnp.int32)
@@ -158,5 +167,5 @@ def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared
     else:
         indices = shared_indices
     cached = read_latents(lc, page_table, h.dtype)
-    o_lat = sparse_latent_attention(latent_query(p, q_resid, config), cached, indices, scale=config.qk_head_dim**-0.5)
+    o_lat = attend_selected(p, q_resid, cached, indices, config, implementation)
     return latent_output(p, o_lat), lc, indices

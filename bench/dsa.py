@@ -1,0 +1,136 @@
+"""DSA's latent attention on the GPU: the Pallas kernel (`latent_attention.sparse_latent_attention`,
+a gather of each query's selected latents with an online softmax) against the reference (dense
+scores over every key, masked to the selection), at GLM-5.3's shapes: 64 heads, latent width
+R = 512, index_topk 2048 in pools of P = 4 plus the tail (W = 2051 slots).
+
+Selections come from the model's own `select_tokens` with random indexer scores (whole pools, so
+the same runs of P tokens a trained indexer picks; a query that sees at most 2051 tokens selects them
+all). Prefill: B = 1, every query of T over the same T keys. Decode: B sequences, one query each at
+the end of S cached keys.
+
+Times are medians of 20 jitted calls dispatched back to back (`kda.dispatched_ms`), per call. The
+roofline is max(FLOPs / 705 TFLOP/s, gathered bytes / 4.3 TB/s): FLOPs = 4 H R per selected token
+(scores and output), gathered bytes = 2 R per selected token read once per query (in prefill most of
+them from L2: neighbouring queries share pools). Errors are max|d| / max|ref| against the
+reference in fp32 (over the last 512 queries where the reference over all of them is too slow).
+
+On the GPU machine, from the repository root:
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/dsa.py [--configs 64x8x2,32x4x2] [--cases prefill4096,decode8]
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from kda import dispatched_ms, log, relative_error
+
+from pallas_kernels import latent_attention as la
+from pallas_kernels.select_tokens import select_tokens_reference
+
+MATMUL, HBM = 705e12, 4.3e12
+HEADS, R, TOPK, POOL = 64, 512, 2048, 4
+CASES = {  # name: (B, T queries, S keys)
+    "prefill4096": (1, 4096, 4096),
+    "prefill16384": (1, 16384, 16384),
+    "decode8": (8, 1, 32768),
+    "decode64": (64, 1, 32768),
+}
+
+
+def selection(b, t, s, seed=0):
+    """[B, T, W] indices as the model's indexer makes them, from random scores; queries at S - T .. S - 1."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    n_pools = s // POOL
+    q_idx = jax.random.normal(keys[0], (b, t, 1, 16))
+    weights = jnp.ones((b, t, 1))
+    pool_keys = jax.random.normal(keys[1], (b, n_pools, 16))
+    positions = jnp.broadcast_to(jnp.arange(s - t, s, dtype=jnp.int32), (b, t))
+    select = jax.jit(lambda *a: select_tokens_reference(*a, index_topk=TOPK, pool_size=POOL))
+    return select(q_idx, weights, pool_keys, jnp.ones((b, s), bool), positions)
+
+
+CHECKS = [  # (B, T, H, R, S, W): head padding and groups, ragged blocks, one row, empty rows
+    (2, 3, 4, 64, 50, 7), (1, 4, 16, 512, 300, 100), (2, 2, 64, 512, 3000, 2051), (1, 3, 128, 256, 500, 200),
+    (2, 2, 8, 512, 100, 1),
+]
+
+
+def check():
+    """The kernel on the GPU against the fp32 reference on random selections, repeats included."""
+    log("| check (B, T, H, R, S, W) | error, distinct | error, with repeats |")
+    log("| --- | --- | --- |")
+    rng = np.random.default_rng(0)
+    for b, t, h, r, s, w in CHECKS:
+        q = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.bfloat16)
+        latents = jnp.asarray(rng.standard_normal((b, s, r)), jnp.bfloat16)
+        indices = np.stack([rng.permutation(s)[:w] for _ in range(b * t)]).reshape(b, t, w)
+        indices[-1, -1, w // 2 :] = -1
+        errors = []
+        for repeats in (False, True):
+            if repeats:
+                indices[0, 0, 1 : max(2, w // 2)] = indices[0, 0, 0]
+            idx = jnp.asarray(indices, jnp.int32)
+            want = la.sparse_latent_attention_reference(q.astype(jnp.float32), latents.astype(jnp.float32), idx, scale=r**-0.5)
+            got = la.sparse_latent_attention(q, latents, idx, scale=r**-0.5, implementation="pallas")
+            errors.append(relative_error(got.astype(jnp.float32), want))
+        log(f"| ({b}, {t}, {h}, {r}, {s}, {w}) | {errors[0]:.2e} | {errors[1]:.2e} |")
+
+
+def parse_config(text):
+    """TOKENSxWARPSxSTAGES[xSPLITS]; without SPLITS the kernel picks them."""
+    tokens, warps, stages, *splits = (int(x) for x in text.split("x"))
+    return la.KernelConfig(block_tokens=tokens, num_warps=warps, num_stages=stages, splits=splits[0] if splits else None)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="64x8x2,64x8x2x1,64x8x3,64x16x2")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--skip-reference-time", action="store_true")
+    parser.add_argument("--skip-check", action="store_true")
+    args = parser.parse_args()
+    configs = [parse_config(c) for c in args.configs.split(",") if c]
+    log(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if not args.skip_check:
+        check()
+    log("| case (B, T, S) | implementation | ms | TFLOP/s | roofline ms | error |")
+    log("| --- | --- | --- | --- | --- | --- |")
+    for name in filter(None, args.cases.split(",")):
+        b, t, s = CASES[name]
+        keys = jax.random.split(jax.random.key(1), 2)
+        q = jax.random.normal(keys[0], (b, t, HEADS, R), jnp.bfloat16)
+        latents = jax.random.normal(keys[1], (b, s, R), jnp.bfloat16)
+        indices = selection(b, t, s)
+        chosen = int((indices >= 0).sum())
+        flops = 4 * HEADS * R * chosen
+        roofline = 1e3 * max(flops / MATMUL, 2 * R * chosen / HBM)
+        scale = 256**-0.5
+        checked = slice(max(0, t - 512), t) if t > 4096 else slice(0, t)
+        want = jax.jit(lambda q, l, i: la.sparse_latent_attention_reference(q, l, i, scale=scale))(
+            q[:, checked].astype(jnp.float32), latents.astype(jnp.float32), indices[:, checked]
+        )
+        if not args.skip_reference_time and t <= 4096:
+            ref = jax.jit(lambda q, l, i: la.sparse_latent_attention_reference(q, l, i, scale=scale))
+            ms = dispatched_ms(ref, q, latents, indices, n=3, reps=3)
+            log(f"| {name} ({b}, {t}, {s}) | reference (XLA, dense masked) | {ms:.3f} | {flops / ms / 1e9:.1f} | {roofline:.3f} | |")
+        for config in configs:
+            fn = jax.jit(
+                lambda q, l, i, config=config: la.sparse_latent_attention(
+                    q, l, i, scale=scale, implementation="pallas", config=config, distinct_indices=True
+                )
+            )
+            try:
+                got = fn(q, latents, indices)
+                err = relative_error(got[:, checked].astype(jnp.float32), want)
+                ms = dispatched_ms(fn, q, latents, indices)
+            except Exception as e:  # a config that does not compile: say so and go on
+                log(f"| {name} ({b}, {t}, {s}) | kernel {config} | failed: {type(e).__name__}: {str(e)[:200]} | | | |")
+                continue
+            log(f"| {name} ({b}, {t}, {s}) | kernel {config} | {ms:.3f} | {flops / ms / 1e9:.1f} | {roofline:.3f} | {err:.2e} |")
+        fn = jax.jit(lambda q, l, i: la.sparse_latent_attention(q, l, i, scale=scale, implementation="pallas"))
+        log(f"| {name} ({b}, {t}, {s}) | kernel, repeats marked (sort) | {dispatched_ms(fn, q, latents, indices):.3f} | | | |")
+
+
+if __name__ == "__main__":
+    main()

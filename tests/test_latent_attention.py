@@ -1,0 +1,148 @@
+"""DSA's latent attention: the Pallas kernel (Triton, in Pallas' interpreter on the CPU) against the
+pure-jnp reference and against a numpy softmax over each query's selected rows; the dispatch and
+the argument checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import latent_attention as la
+from pallas_kernels.select_tokens import select_tokens_reference
+
+TOLERANCE = 1e-2  # bf16 probabilities and a bf16 output: ~3e-3 of max|o| measured
+
+
+def relative_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def numpy_attention(q, latents, indices, scale):
+    """Each query's softmax over its distinct selected rows, in float64; zeros for none."""
+    q, latents = np.asarray(q, np.float64), np.asarray(latents, np.float64)
+    b, t, h, r = q.shape
+    out = np.zeros((b, t, h, r))
+    for i in range(b):
+        for j in range(t):
+            rows = sorted({int(x) for x in np.asarray(indices[i, j]) if x >= 0})
+            if rows:
+                keys = latents[i, rows]  # [n, R]
+                logits = q[i, j] @ keys.T * scale
+                p = np.exp(logits - logits.max(-1, keepdims=True))
+                out[i, j] = (p / p.sum(-1, keepdims=True)) @ keys
+    return out
+
+
+def random_case(seed, b, t, h, r, s, w, *, empty_row=True, repeats=False):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.bfloat16)
+    latents = jnp.asarray(rng.standard_normal((b, s, r)), jnp.bfloat16)
+    indices = np.stack([rng.permutation(s)[:w] for _ in range(b * t)]).reshape(b, t, w)
+    if w > 1:
+        indices[0, 0, w // 2 :] = -1  # a ragged row
+    if empty_row:
+        indices[-1, -1] = -1  # a query with nothing selected
+    if repeats:
+        indices[0, -1, 1 : w // 2] = indices[0, -1, 0]
+    return q, latents, jnp.asarray(indices, jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "b, t, h, r, s, w",
+    [
+        (1, 2, 64, 128, 200, 100),  # two blocks of 64 selected rows, the second ragged
+        (2, 3, 4, 64, 50, 7),  # heads padded up to 16, fewer rows than a block
+        (1, 2, 16, 256, 300, 64),  # exactly one block
+        (1, 2, 128, 64, 130, 65),  # two head groups; one row past a block
+        (2, 2, 8, 512, 100, 1),  # one selected row, the model's latent width
+    ],
+)
+def test_kernel_matches_reference_and_numpy(b, t, h, r, s, w):
+    q, latents, indices = random_case(b * 1000 + w, b, t, h, r, s, w)
+    scale = r**-0.5
+    got = la.sparse_latent_attention(q, latents, indices, scale=scale, implementation="pallas", interpret=True)
+    want = la.sparse_latent_attention_reference(q, latents, indices, scale=scale)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert relative_error(got, want) < TOLERANCE
+    assert relative_error(got, numpy_attention(q, latents, indices, scale)) < TOLERANCE
+    assert not np.asarray(got[-1, -1]).any()  # nothing selected: zeros
+
+
+def test_repeated_indices_count_once():
+    q, latents, indices = random_case(7, 1, 3, 16, 64, 90, 40, repeats=True)
+    got = la.sparse_latent_attention(q, latents, indices, scale=0.125, implementation="pallas", interpret=True)
+    assert relative_error(got, numpy_attention(q, latents, indices, 0.125)) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        la.KernelConfig(block_tokens=16, num_warps=4),
+        la.KernelConfig(block_tokens=128),
+        la.KernelConfig(splits=2),  # 150 rows: blocks 64 + 64 and 22 + empty
+        la.KernelConfig(block_tokens=32, splits=5),  # 5 blocks, one each; a split with nothing selected
+    ],
+)
+def test_kernel_configs(config):
+    q, latents, indices = random_case(11, 1, 2, 16, 64, 300, 150, empty_row=False)
+    indices = indices.at[0, 1, 120:].set(-1)
+    got = la.sparse_latent_attention(q, latents, indices, scale=0.125, implementation="pallas", config=config, interpret=True)
+    assert relative_error(got, numpy_attention(q, latents, indices, 0.125)) < TOLERANCE
+
+
+def test_selections_of_the_indexer():
+    """Whole pools and the tail, as the model selects them (distinct, so the repeat pass is skipped):
+    early queries see fewer tokens than the selection width and attend to all of them."""
+    b, t, s, pool, topk = 1, 40, 40, 4, 16
+    keys = jax.random.split(jax.random.key(3), 4)
+    indices = select_tokens_reference(
+        jax.random.normal(keys[0], (b, t, 2, 8)), jnp.ones((b, t, 2)), jax.random.normal(keys[1], (b, s // pool, 8)),
+        jnp.ones((b, s), bool), jnp.broadcast_to(jnp.arange(t), (b, t)), index_topk=topk, pool_size=pool,
+    )
+    q = jax.random.normal(keys[2], (b, t, 16, 64), jnp.bfloat16)
+    latents = jax.random.normal(keys[3], (b, s, 64), jnp.bfloat16)
+    got = la.sparse_latent_attention(
+        q, latents, indices, scale=0.125, implementation="pallas", distinct_indices=True, interpret=True
+    )
+    assert relative_error(got, numpy_attention(q, latents, indices, 0.125)) < TOLERANCE
+
+
+def test_default_on_cpu_is_the_reference():
+    q, latents, indices = random_case(5, 1, 2, 4, 64, 20, 5)
+    got = la.sparse_latent_attention(q, latents, indices, scale=0.125)
+    want = la.sparse_latent_attention_reference(q, latents, indices, scale=0.125)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_kernel_lowers_for_the_gpu_at_the_model_shapes():
+    from pallas_kernels.kda_chain import lower_for_h200
+
+    sds = jax.ShapeDtypeStruct
+    for b, t, s, splits in [(1, 4096, 4096, 1), (8, 1, 32768, 32)]:
+        config = la.KernelConfig(splits=splits)
+        text = lower_for_h200(
+            lambda q, l, i: la.sparse_latent_attention(
+                q, l, i, scale=1 / 16, implementation="pallas", config=config, distinct_indices=True
+            ),
+            sds((b, t, 64, 512), jnp.bfloat16), sds((b, s, 512), jnp.bfloat16), sds((b, t, 2051), jnp.int32),
+        ).as_text()
+        assert text.count("xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize(
+    "q_shape, latent_shape, index_shape, dtype, message",
+    [
+        ((2, 64, 64), (1, 10, 64), (1, 2, 4), jnp.bfloat16, "q_lat must be"),
+        ((1, 2, 4, 64), (2, 10, 64), (1, 2, 4), jnp.bfloat16, "latents must be"),
+        ((1, 2, 4, 64), (1, 10, 64), (1, 3, 4), jnp.bfloat16, "indices must be"),
+        ((1, 2, 4, 96), (1, 10, 96), (1, 2, 4), jnp.bfloat16, "latent width R"),
+        ((1, 2, 4, 64), (1, 10, 64), (1, 2, 4), jnp.float32, "bf16 or fp16"),
+    ],
+)
+def test_bad_arguments_are_named(q_shape, latent_shape, index_shape, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        la.sparse_latent_attention(
+            jnp.zeros(q_shape, dtype), jnp.zeros(latent_shape, dtype), jnp.zeros(index_shape, jnp.int32),
+            scale=1.0, implementation="pallas",
+        )
