@@ -5,8 +5,10 @@ R = 512, index_topk 2048 in pools of P = 4 plus the tail (W = 2051 slots).
 
 Selections come from the model's own `select_tokens` with random indexer scores (whole pools, so
 the same runs of P tokens a trained indexer picks; a query that sees at most 2051 tokens selects them
-all). Prefill: B = 1, every query of T over the same T keys. Decode: B sequences, one query each at
-the end of S cached keys.
+all). Prefill: B = 1, every query of T over the same T keys (bf16). Decode: B sequences, one query
+each at the end of S cached keys, read from an fp8 e4m3 paged cache (64-token pages in shuffled
+order, per-token scales) as the model's decode step reads it; the reference dequantises the whole
+cache densely, as the model did before the kernel.
 
 Times are medians of 20 jitted calls dispatched back to back (`kda.dispatched_ms`), per call. The
 roofline is max(FLOPs / 705 TFLOP/s, gathered bytes / 4.3 TB/s): FLOPs = 4 H R per selected token
@@ -29,7 +31,7 @@ from pallas_kernels import latent_attention as la
 from pallas_kernels.select_tokens import select_tokens_reference
 
 MATMUL, HBM = 705e12, 4.3e12
-HEADS, R, TOPK, POOL = 64, 512, 2048, 4
+HEADS, R, TOPK, POOL, PAGE = 64, 512, 2048, 4, 64
 CASES = {  # name: (B, T queries, S keys)
     "prefill4096": (1, 4096, 4096),
     "prefill16384": (1, 16384, 16384),
@@ -57,7 +59,8 @@ CHECKS = [  # (B, T, H, R, S, W): head padding and groups, ragged blocks, one ro
 
 
 def check():
-    """The kernel on the GPU against the fp32 reference on random selections, repeats included."""
+    """The kernel on the GPU against the fp32 reference on random selections, repeats included; then
+    the paged fp8 read (`tests/test_latent_attention.py::test_paged_cache` on the GPU)."""
     log("| check (B, T, H, R, S, W) | error, distinct | error, with repeats |")
     log("| --- | --- | --- |")
     rng = np.random.default_rng(0)
@@ -75,6 +78,17 @@ def check():
             got = la.sparse_latent_attention(q, latents, idx, scale=r**-0.5, implementation="pallas")
             errors.append(relative_error(got.astype(jnp.float32), want))
         log(f"| ({b}, {t}, {h}, {r}, {s}, {w}) | {errors[0]:.2e} | {errors[1]:.2e} |")
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):  # 3 sequences of 10 shuffled pages of 16 tokens
+        b, t, h, r, page, pages_per_seq = 3, 2, 64, 512, 16, 10
+        page_table = jnp.asarray(rng.permutation(40)[:30].reshape(b, pages_per_seq), jnp.int32)
+        pages = jnp.asarray(rng.standard_normal((40, page, r)) * 8, dtype)
+        scales = jnp.asarray(rng.uniform(0.01, 0.1, (40, page)), jnp.float32)
+        q = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.bfloat16)
+        idx = jnp.asarray(np.stack([rng.permutation(180)[:100] for _ in range(b * t)]).reshape(b, t, 100), jnp.int32)
+        kw = dict(scale=r**-0.5, page_table=page_table, latent_scales=scales)
+        want = la.sparse_latent_attention_reference(q, pages, idx, **kw)
+        got = la.sparse_latent_attention(q, pages, idx, implementation="pallas", **kw)
+        log(f"| paged {jnp.dtype(dtype).name}, scaled ({b}, {t}, {h}, {r}, {pages_per_seq * page}, 100) | {relative_error(got, want):.2e} | |")
 
 
 def parse_config(text):
@@ -101,6 +115,16 @@ def main():
         keys = jax.random.split(jax.random.key(1), 2)
         q = jax.random.normal(keys[0], (b, t, HEADS, R), jnp.bfloat16)
         latents = jax.random.normal(keys[1], (b, s, R), jnp.bfloat16)
+        paged = {}
+        if name.startswith("decode"):  # fp8 pages, shuffled; `latents` becomes their dense dequantised read
+            page_table = jax.random.permutation(keys[1], b * s // PAGE).reshape(b, s // PAGE).astype(jnp.int32)
+            scales = jnp.max(jnp.abs(latents), axis=-1) / 448.0
+            pages = jnp.zeros((b * s // PAGE, PAGE, R), jnp.float8_e4m3fn).at[page_table].set(
+                (latents / scales[..., None]).astype(jnp.float8_e4m3fn).reshape(b, s // PAGE, PAGE, R))
+            page_scales = jnp.zeros((b * s // PAGE, PAGE)).at[page_table].set(scales.reshape(b, s // PAGE, PAGE))
+            paged = dict(page_table=page_table, latent_scales=page_scales)
+            latents = (pages[page_table].astype(jnp.float32) * page_scales[page_table][..., None]).reshape(b, s, R)
+            latents = latents.astype(jnp.bfloat16)
         indices = selection(b, t, s)
         chosen = int((indices >= 0).sum())
         flops = 4 * HEADS * R * chosen
@@ -110,26 +134,27 @@ def main():
         want = jax.jit(lambda q, l, i: la.sparse_latent_attention_reference(q, l, i, scale=scale))(
             q[:, checked].astype(jnp.float32), latents.astype(jnp.float32), indices[:, checked]
         )
+        source = pages if paged else latents  # what the kernel and the timed reference read
         if not args.skip_reference_time and t <= 4096:
-            ref = jax.jit(lambda q, l, i: la.sparse_latent_attention_reference(q, l, i, scale=scale))
-            ms = dispatched_ms(ref, q, latents, indices, n=3, reps=3)
+            ref = jax.jit(lambda q, l, i, p: la.sparse_latent_attention_reference(q, l, i, scale=scale, **p))
+            ms = dispatched_ms(ref, q, source, indices, paged, n=3, reps=3)
             log(f"| {name} ({b}, {t}, {s}) | reference (XLA, dense masked) | {ms:.3f} | {flops / ms / 1e9:.1f} | {roofline:.3f} | |")
         for config in configs:
             fn = jax.jit(
-                lambda q, l, i, config=config: la.sparse_latent_attention(
-                    q, l, i, scale=scale, implementation="pallas", config=config, distinct_indices=True
+                lambda q, l, i, p, config=config: la.sparse_latent_attention(
+                    q, l, i, scale=scale, implementation="pallas", config=config, distinct_indices=True, **p
                 )
             )
             try:
-                got = fn(q, latents, indices)
+                got = fn(q, source, indices, paged)
                 err = relative_error(got[:, checked].astype(jnp.float32), want)
-                ms = dispatched_ms(fn, q, latents, indices)
+                ms = dispatched_ms(fn, q, source, indices, paged)
             except Exception as e:  # a config that does not compile: say so and go on
                 log(f"| {name} ({b}, {t}, {s}) | kernel {config} | failed: {type(e).__name__}: {str(e)[:200]} | | | |")
                 continue
             log(f"| {name} ({b}, {t}, {s}) | kernel {config} | {ms:.3f} | {flops / ms / 1e9:.1f} | {roofline:.3f} | {err:.2e} |")
-        fn = jax.jit(lambda q, l, i: la.sparse_latent_attention(q, l, i, scale=scale, implementation="pallas"))
-        log(f"| {name} ({b}, {t}, {s}) | kernel, repeats marked (sort) | {dispatched_ms(fn, q, latents, indices):.3f} | | | |")
+        fn = jax.jit(lambda q, l, i, p: la.sparse_latent_attention(q, l, i, scale=scale, implementation="pallas", **p))
+        log(f"| {name} ({b}, {t}, {s}) | kernel, repeats marked (sort) | {dispatched_ms(fn, q, source, indices, paged):.3f} | | | |")
 
 
 if __name__ == "__main__":

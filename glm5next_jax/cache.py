@@ -156,12 +156,6 @@ def read_pages(pages, page_table, positions):
     return pages[page, positions % size]
 
 
-def read_sequence(pages, page_table):
-    """Every slot of each sequence, in order: [B, max_len, ...]."""
-    b, n = page_table.shape
-    return pages[page_table].reshape(b, n * pages.shape[1], *pages.shape[2:])
-
-
 def quantise_latent(latent):
     """fp32 latents [..., R] -> (e4m3 values, per-token fp32 scale) with max|x| mapped to the fp8 max."""
     latent = latent.astype(jnp.float32)
@@ -178,14 +172,6 @@ def write_latents(layer, page_table, positions, valid, latents):
             latent_scale=write_pages(layer["latent_scale"], page_table, positions, valid, scale),
         )
     return dict(layer, latent=write_pages(layer["latent"], page_table, positions, valid, latents))
-
-
-def read_latents(layer, page_table, dtype):
-    """Each sequence's latents [B, max_len, R] in `dtype` (fp8 dequantised with its scales)."""
-    latents = read_sequence(layer["latent"], page_table)
-    if layer["latent"].dtype == FP8:
-        latents = latents.astype(jnp.float32) * read_sequence(layer["latent_scale"], page_table)[..., None]
-    return latents.astype(dtype)
 
 
 # ---- bytes --------------------------------------------------------------------------------------

@@ -137,7 +137,8 @@ def test_kernel_lowers_for_the_gpu_at_the_model_shapes():
         ((1, 2, 4, 64), (2, 10, 64), (1, 2, 4), jnp.bfloat16, "latents must be"),
         ((1, 2, 4, 64), (1, 10, 64), (1, 3, 4), jnp.bfloat16, "indices must be"),
         ((1, 2, 4, 96), (1, 10, 96), (1, 2, 4), jnp.bfloat16, "latent width R"),
-        ((1, 2, 4, 64), (1, 10, 64), (1, 2, 4), jnp.float32, "bf16 or fp16"),
+        ((1, 2, 4, 64), (1, 10, 64), (1, 2, 4), jnp.float32, "q_lat must be bf16 or fp16"),
+        ((1, 2, 4, 64), (5, 10, 64), (1, 2, 4), jnp.bfloat16, "latents must be \\[B, S, R\\]"),
     ],
 )
 def test_bad_arguments_are_named(q_shape, latent_shape, index_shape, dtype, message):
@@ -146,3 +147,35 @@ def test_bad_arguments_are_named(q_shape, latent_shape, index_shape, dtype, mess
             jnp.zeros(q_shape, dtype), jnp.zeros(latent_shape, dtype), jnp.zeros(index_shape, jnp.int32),
             scale=1.0, implementation="pallas",
         )
+
+
+@pytest.mark.parametrize("latent_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_paged_cache(latent_dtype):
+    """An inference cache's pages in shuffled order, bf16 or fp8 with per-token scales: the kernel
+    against the reference and against numpy over the dense sequences the pages hold. Indices past
+    the sequence's keys count as empty."""
+    b, t, h, r, page_size, pages_per_seq = 2, 3, 16, 64, 16, 4
+    rng = np.random.default_rng(21)
+    n_pages = b * pages_per_seq + 3
+    page_table = rng.permutation(n_pages)[: b * pages_per_seq].reshape(b, pages_per_seq).astype(np.int32)
+    dense = rng.standard_normal((n_pages, page_size, r)).astype(np.float32)
+    scales = None
+    if latent_dtype == jnp.float8_e4m3fn:
+        scales = rng.uniform(0.01, 0.1, (n_pages, page_size)).astype(np.float32)
+        pages = jnp.asarray(dense * 4, latent_dtype)
+        values = np.asarray(pages.astype(jnp.float32)) * scales[..., None]
+    else:
+        pages = jnp.asarray(dense, latent_dtype)
+        values = np.asarray(pages.astype(jnp.float32))
+    sequences = jnp.asarray(values[page_table].reshape(b, -1, r), jnp.bfloat16)  # what the attention sees
+    q = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.bfloat16) * 4
+    indices = np.stack([rng.permutation(pages_per_seq * page_size)[:40] for _ in range(b * t)]).reshape(b, t, 40)
+    indices[0, 1, :5] = pages_per_seq * page_size + np.arange(5)  # out of range: empty
+    indices = jnp.asarray(indices, jnp.int32)
+    kwargs = dict(scale=r**-0.5, page_table=jnp.asarray(page_table), latent_scales=None if scales is None else jnp.asarray(scales))
+    got = la.sparse_latent_attention(q, pages, indices, implementation="pallas", interpret=True, **kwargs)
+    want = la.sparse_latent_attention(q, pages, indices, implementation="reference", **kwargs)
+    in_range = jnp.where(indices < pages_per_seq * page_size, indices, -1)
+    assert relative_error(got, want) < TOLERANCE
+    assert relative_error(got, numpy_attention(q, sequences, in_range, r**-0.5)) < TOLERANCE
+    assert relative_error(want, la.sparse_latent_attention_reference(q, sequences, in_range, scale=r**-0.5)) < 1e-6

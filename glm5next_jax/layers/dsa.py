@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.latent_attention import sparse_latent_attention
 from pallas_kernels.select_tokens import first_valid_key, pool_token_indices, select_tokens
 
-from ..cache import read_latents, read_pages, write_latents, write_pages
+from ..cache import read_pages, write_latents, write_pages
 from .common import layer_norm, linear, rms_norm
 
 INDEXER_NORM_EPS = 1e-6
@@ -67,12 +67,13 @@ def latent_output(p, o_lat):
     return linear(o_lat.reshape(*o_lat.shape[:-2], -1), p["o_absorb"])
 
 
-def attend_selected(p, q_resid, latents, indices, config, implementation):
-    """o_lat [B, T, H, R]: each query over its selected latents. A selection is distinct by
-    construction (whole disjoint pools, then the tail after the last of them)."""
+def attend_selected(p, q_resid, latents, indices, config, implementation, **pages):
+    """o_lat [B, T, H, R]: each query over its selected latents ([B, S, R], or a cache's pages with
+    `page_table` and `latent_scales`). A selection is distinct by construction (whole disjoint pools,
+    then the tail after the last of them)."""
     return sparse_latent_attention(
         latent_query(p, q_resid, config), latents, indices, scale=config.qk_head_dim**-0.5,
-        implementation=implementation, distinct_indices=True,
+        implementation=implementation, distinct_indices=True, **pages,
     )
 
 
@@ -166,6 +167,9 @@ def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared
         raise ValueError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
     else:
         indices = shared_indices
-    cached = read_latents(lc, page_table, h.dtype)
-    o_lat = attend_selected(p, q_resid, cached, indices, config, implementation)
+    # The attention reads only the selected rows, through the page table, dequantising them itself.
+    o_lat = attend_selected(
+        p, q_resid, lc["latent"], indices, config, implementation,
+        page_table=page_table, latent_scales=lc.get("latent_scale"),
+    )
     return latent_output(p, o_lat), lc, indices
