@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 HIGHEST = jax.lax.Precision.HIGHEST
+QUERY_BLOCK = 256  # queries scored and ranked together
 
 
 def first_valid_key(key_valid):
@@ -52,36 +53,56 @@ def select_tokens_reference(
     """q_idx [B, T, nh, hd]; head_weights [B, T, nh] (already scaled by nh^-0.5); pool_keys [B, NP, hd]
     (pool p starts at first_valid_key + p * pool_size); key_valid [B, S] bool; query_positions [B, T]
     int32, each query's index on the key axis. Returns int32 [B, T, index_topk (+ pool_size - 1 when
-    select_tail)] of key indices, -1 padded."""
+    select_tail)] of key indices, -1 padded.
+
+    Memory is linear in T and in S: the pools are scored and ranked QUERY_BLOCK queries at a time (the
+    [T, nh, NP] scores are never whole), and what a query sees comes from running counts of valid
+    keys rather than a [T, S] mask (padding is a prefix or a suffix, so a pool whose keys are all
+    valid is visible once its last key is)."""
     b, t = q_idx.shape[:2]
     s = key_valid.shape[-1]
     n_pools = pool_keys.shape[1]
     width = index_topk + (pool_size - 1 if select_tail else 0)
     first_key = first_valid_key(key_valid)
-    key_pos = jnp.arange(s, dtype=jnp.int32)
-    visible = key_valid[:, None, :] & (key_pos[None, None, :] <= query_positions[:, :, None])  # [B, T, S]
+    valid_through = jnp.cumsum(key_valid, axis=-1, dtype=jnp.int32)  # valid keys at or before each key
+    visible_count = jnp.where(
+        query_positions < 0, 0, jnp.take_along_axis(valid_through, jnp.clip(query_positions, 0, s - 1), axis=-1)
+    )
     parts = []
 
     n_select = min(index_topk // pool_size, n_pools)
     if n_select > 0:
         pool_valid = pool_validity(key_valid, n_pools, pool_size)
-        pool_end = jnp.clip(first_key[:, None] + (jnp.arange(n_pools) + 1) * pool_size - 1, 0, s - 1)
-        end_visible = jnp.take_along_axis(visible, jnp.broadcast_to(pool_end[:, None, :], (b, t, n_pools)), axis=-1)
-        candidate = pool_valid[:, None, :] & end_visible
-        scores = jnp.where(candidate, pool_scores(q_idx, head_weights, pool_keys), -jnp.inf)
-        _, chosen = jax.lax.top_k(scores, n_select)  # [B, T, n_select]
-        chosen_valid = jnp.take_along_axis(candidate, chosen, axis=-1)
+        pool_end = first_key[:, None] + (jnp.arange(n_pools) + 1) * pool_size - 1  # [B, NP]
+        block = min(QUERY_BLOCK, t)
+        pad = -t % block
+
+        def blocked(x, fill):  # [B, T, ...] -> [T / block, B, block, ...]
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+            return jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0)
+
+        def rank(xs):
+            q, w, positions = xs
+            candidate = pool_valid[:, None, :] & (pool_end[:, None, :] <= positions[..., None])  # [B, block, NP]
+            scores = jnp.where(candidate, pool_scores(q, w, pool_keys), -jnp.inf)
+            _, chosen = jax.lax.top_k(scores, n_select)  # [B, block, n_select]
+            return chosen, jnp.take_along_axis(candidate, chosen, axis=-1)
+
+        chosen, chosen_valid = jax.lax.map(
+            rank, (blocked(q_idx, 0), blocked(head_weights, 0), blocked(query_positions, -1))
+        )
+        unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, n_select)[:, :t]  # noqa: E731
+        chosen, chosen_valid = unblock(chosen), unblock(chosen_valid)
         tokens = first_key[:, None, None, None] + chosen[..., None] * pool_size + jnp.arange(pool_size)
         tokens = jnp.where(chosen_valid[..., None], tokens, -1)
         parts.append(tokens.reshape(b, t, n_select * pool_size))
 
     if select_tail and pool_size > 1:
-        visible_count = visible.sum(-1, dtype=jnp.int32)
         tail_count = visible_count % pool_size
         offsets = jnp.arange(pool_size - 1, dtype=jnp.int32)
         tail = (first_key[:, None] + visible_count - tail_count)[..., None] + offsets
-        tail_visible = jnp.take_along_axis(visible, jnp.clip(tail, 0, s - 1), axis=-1)
-        keep = (offsets < tail_count[..., None]) & (tail < s) & tail_visible
+        tail_valid = jnp.take_along_axis(key_valid, jnp.clip(tail, 0, s - 1).reshape(b, -1), axis=-1).reshape(tail.shape)
+        keep = (offsets < tail_count[..., None]) & (tail < s) & tail_valid & (tail <= query_positions[..., None])
         parts.append(jnp.where(keep, tail, -1))
 
     indices = jnp.concatenate(parts, axis=-1) if parts else jnp.zeros((b, t, 0), jnp.int32)

@@ -62,3 +62,16 @@ def test_bad_shapes_are_rejected():
         select_tokens(q, w[..., :2], keys, mask, pos, index_topk=8, pool_size=4)
     with pytest.raises(ValueError, match="multiple of pool_size"):
         select_tokens(q, w, keys, mask, pos, index_topk=6, pool_size=4)
+
+
+def test_query_blocks_do_not_change_the_selection(monkeypatch):
+    """Scored and ranked 8 queries at a time (a ragged last block) or all at once: the same indices."""
+    from pallas_kernels import select_tokens as module
+
+    mask = jnp.ones((2, 45), bool).at[0, :6].set(False).at[1, 40:].set(False)
+    q, w, keys, mask, pos = inputs(jax.random.key(3), 2, 45, 4, mask=mask)
+    whole = select_tokens(q, w, keys[:, :10], mask, pos, index_topk=12, pool_size=4)
+    monkeypatch.setattr(module, "QUERY_BLOCK", 8)
+    blocked = select_tokens(q, w, keys[:, :10], mask, pos, index_topk=12, pool_size=4)
+    np.testing.assert_array_equal(np.asarray(whole), np.asarray(blocked))
+    assert (np.asarray(whole) >= 0).any(axis=-1).sum() == 2 * 45 - 6 - 5  # every valid query selects
