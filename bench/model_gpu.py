@@ -1,6 +1,7 @@
 """The whole model on the GPU: parity with transformers' goldens and end-to-end timings.
 
     python3 bench/model_gpu.py GOLDENS_DIR
+    python3 bench/model_gpu.py --long 16384,32768     # 3. alone
 
 1. The shipped tiny checkpoint, fp32, through the pure-jnp references: logits against the
    transformers goldens; greedy generation against transformers' cached generation. (Its KDA head
@@ -10,6 +11,7 @@
    1 x 4096 tokens and a decode step at batch 8 over 4096 cached tokens, median ms, and the Pallas
    path's logits against the references' (max|d| / max|ref|). The Pallas path runs every kernel:
    the KDA scan and decode step, the MoE's grouped GEMM and DSA's latent attention.
+3. With --long: that MoE config's forward over one long sequence through the kernels alone.
 """
 
 import os
@@ -99,8 +101,31 @@ def timings(mlps):
     return rows
 
 
+def long_forward(tokens):
+    """The MoE config's forward over one sequence of `tokens` through the kernels alone (the
+    references' dense DSA scores are quadratic in it): median ms and tokens per second."""
+    config = glm5next_jax.Config(
+        vocab_size=32768, hidden_size=2048, num_hidden_layers=4, intermediate_size=6144,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
+        index_topk=2048, index_kpool=4, linear_num_heads=32, mlp_layer_types=("dense",) + ("sparse",) * 3,
+        n_routed_experts=64, moe_intermediate_size=1024,
+    )
+    params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
+    ids = jax.random.randint(jax.random.key(1), (1, tokens), 2, config.vocab_size)
+    ms = median_ms(lambda: glm5next_jax.forward(params, config, ids), reps=3)
+    logits = glm5next_jax.forward(params, config, ids)
+    return ms, bool(jnp.isfinite(logits).all())
+
+
 def main():
     print("devices:", jax.devices())
+    if "--long" in sys.argv:  # python3 bench/model_gpu.py --long 16384,32768: only the long forwards
+        print("\n| moe config: forward 1 x T, kernels | median ms | tokens / s | logits finite |")
+        print("|---|---|---|---|")
+        for tokens in map(int, sys.argv[sys.argv.index("--long") + 1].split(",")):
+            ms, finite = long_forward(tokens)
+            print(f"| T = {tokens} | {ms:.1f} | {tokens / ms * 1e3:.0f} | {finite} |", flush=True)
+        return
     rows, same = parity(sys.argv[1])
     print("\n| case | kernels | max|d|/max|ref| vs transformers fp32 |")
     print("|---|---|---|")
