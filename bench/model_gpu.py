@@ -65,16 +65,21 @@ def agreement(a, b):
     return float((np.asarray(a).argmax(-1) == np.asarray(b).argmax(-1)).mean())
 
 
-def timings(mlps):
-    """mlps "dense": every MLP dense (as the earlier sessions timed it); "moe": a dense MLP, then MoEs.
-    Rows: (workload, kernels, ms, max|d|/max|ref|, top-1 agreement) against the references."""
+def wider_config(mlps):
+    """mlps "dense": every MLP dense (as the earlier sessions timed it); "moe": a dense MLP, then MoEs."""
     moe = dict(mlp_layer_types=("dense",) + ("sparse",) * 3, n_routed_experts=64, moe_intermediate_size=1024)
-    config = glm5next_jax.Config(
+    return glm5next_jax.Config(
         vocab_size=32768, hidden_size=2048, num_hidden_layers=4, intermediate_size=6144,
         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
         index_topk=2048, index_kpool=4, linear_num_heads=32,
         **(moe if mlps == "moe" else dict(mlp_layer_types=("dense",) * 4)),
     )
+
+
+def timings(mlps):
+    """Rows (workload, kernels, ms, max|d|/max|ref|, top-1 agreement) against the references, for
+    `wider_config(mlps)`."""
+    config = wider_config(mlps)
     params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
     ids = jax.random.randint(jax.random.key(1), (1, 4096), 2, config.vocab_size)
     rows, logits = [], {}
@@ -104,12 +109,7 @@ def timings(mlps):
 def long_forward(tokens):
     """The MoE config's forward over one sequence of `tokens` through the kernels alone (the
     references' dense DSA scores are quadratic in it): median ms and tokens per second."""
-    config = glm5next_jax.Config(
-        vocab_size=32768, hidden_size=2048, num_hidden_layers=4, intermediate_size=6144,
-        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
-        index_topk=2048, index_kpool=4, linear_num_heads=32, mlp_layer_types=("dense",) + ("sparse",) * 3,
-        n_routed_experts=64, moe_intermediate_size=1024,
-    )
+    config = wider_config("moe")
     params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
     ids = jax.random.randint(jax.random.key(1), (1, tokens), 2, config.vocab_size)
     ms = median_ms(lambda: glm5next_jax.forward(params, config, ids), reps=3)

@@ -246,6 +246,11 @@ def scan_arg_shapes(b, t, h, d):
     )
 
 
+def sm_count():
+    """SMs of the default device (132, the H200's, where JAX does not say: CPU lowering for it)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 def default_options(b, h, dv, out_dtype, *, block_v=None, value_slots=None, multicast=None, sms=None):
     """The chain's options for B sequences of H heads, those left None picked by the shape: `block_v`
     32 value columns when the 32-column grid fits on the `sms` SMs in one wave; over several waves with
@@ -255,7 +260,7 @@ def default_options(b, h, dv, out_dtype, *, block_v=None, value_slots=None, mult
     above 32 columns (two would not fit), else two. `multicast`: clusters when the grid fits in one
     wave (on the H200 multicast took the chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it 3-15%
     slower over several waves). Returns (block_v, value_slots, multicast)."""
-    sms = sms or getattr(jax.devices()[0], "core_count", None) or 132
+    sms = sms or sm_count()
     bf16_o = jnp.dtype(out_dtype) == jnp.bfloat16
     if block_v is None:
         over_one_wave = b * h * (dv // min(BLOCK_V, dv)) > sms

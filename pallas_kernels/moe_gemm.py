@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import _pick
-
+from pallas_kernels.kda_chain import sm_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +231,7 @@ def grouped_matmul(
             f"grouped_matmul: x must have T * block_rows = {tile_experts.shape[0]} * {config.block_rows} rows, got {x.shape[0]}"
         )
     # One CTA per SM; two in the interpreter, so that its CPU threads still share the tiles out.
-    sms = 2 if interpret else getattr(jax.devices()[0], "core_count", None) or 132
+    sms = 2 if interpret else sm_count()
     return _grouped_matmul_kernel(
         x, weights, tile_experts.astype(jnp.int32), used_tiles, config=config, interpret=interpret, sms=sms
     )

@@ -11,6 +11,8 @@ width, and rows of invalid queries are all -1.
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.query_blocks import map_query_blocks
+
 HIGHEST = jax.lax.Precision.HIGHEST
 QUERY_BLOCK = 256  # queries scored and ranked together
 
@@ -64,22 +66,12 @@ def select_tokens_reference(
     n_pools = pool_keys.shape[1]
     width = index_topk + (pool_size - 1 if select_tail else 0)
     first_key = first_valid_key(key_valid)
-    valid_through = jnp.cumsum(key_valid, axis=-1, dtype=jnp.int32)  # valid keys at or before each key
-    visible_count = jnp.where(
-        query_positions < 0, 0, jnp.take_along_axis(valid_through, jnp.clip(query_positions, 0, s - 1), axis=-1)
-    )
     parts = []
 
     n_select = min(index_topk // pool_size, n_pools)
     if n_select > 0:
         pool_valid = pool_validity(key_valid, n_pools, pool_size)
         pool_end = first_key[:, None] + (jnp.arange(n_pools) + 1) * pool_size - 1  # [B, NP]
-        block = min(QUERY_BLOCK, t)
-        pad = -t % block
-
-        def blocked(x, fill):  # [B, T, ...] -> [T / block, B, block, ...]
-            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-            return jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0)
 
         def rank(xs):
             q, w, positions = xs
@@ -88,16 +80,18 @@ def select_tokens_reference(
             _, chosen = jax.lax.top_k(scores, n_select)  # [B, block, n_select]
             return chosen, jnp.take_along_axis(candidate, chosen, axis=-1)
 
-        chosen, chosen_valid = jax.lax.map(
-            rank, (blocked(q_idx, 0), blocked(head_weights, 0), blocked(query_positions, -1))
+        chosen, chosen_valid = map_query_blocks(
+            rank, (q_idx, head_weights, query_positions), (0, 0, -1), QUERY_BLOCK
         )
-        unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, n_select)[:, :t]  # noqa: E731
-        chosen, chosen_valid = unblock(chosen), unblock(chosen_valid)
         tokens = first_key[:, None, None, None] + chosen[..., None] * pool_size + jnp.arange(pool_size)
         tokens = jnp.where(chosen_valid[..., None], tokens, -1)
         parts.append(tokens.reshape(b, t, n_select * pool_size))
 
     if select_tail and pool_size > 1:
+        valid_through = jnp.cumsum(key_valid, axis=-1, dtype=jnp.int32)  # valid keys at or before each key
+        visible_count = jnp.where(
+            query_positions < 0, 0, jnp.take_along_axis(valid_through, jnp.clip(query_positions, 0, s - 1), axis=-1)
+        )
         tail_count = visible_count % pool_size
         offsets = jnp.arange(pool_size - 1, dtype=jnp.int32)
         tail = (first_key[:, None] + visible_count - tail_count)[..., None] + offsets
