@@ -21,7 +21,7 @@ from jax.experimental.compute_on import compute_on
 
 import kda as bench
 from pallas_kernels import kda_chain, kda_intra
-from pallas_kernels.kda_gates import CHUNK
+from pallas_kernels.kda_intra import CHUNK
 
 
 def pipelined_scan(q, k, v, g, beta, s0, lengths, *, pieces, stream):

@@ -10,7 +10,7 @@ as transformers' `use_qk_l2norm_in_kernel=True` does.
 `kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form;
 `kda_decode_step` one token per sequence with everything around the core fused in (the short conv
 and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions are pure jnp and are
-the oracles of the Pallas kernels in `kda_gates`, `kda_intra`, `kda_chain`, `kda_triton` and `kda_decode`.
+the oracles of the Pallas kernels in `kda_intra`, `kda_chain`, `kda_triton` and `kda_decode`.
 
 A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
 sequence, each in [0, T]; checked where the values are known, outside jit): a padded position

@@ -3,8 +3,12 @@ chunk needs before the serial chain (`kda_chain`) meets it.
 
 One warpgroup per (chunk, head, sequence), its tiles brought in by TMA (rows past the end of the
 sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma).
-G, the running sum of the log decays inside the chunk, comes from `kda_gates.gate_sums` (with G at
-every 8th token for the reference tokens below). The kernel computes:
+The kernel computes:
+- G, the running sums of the log decays g inside the chunk (zero at and past the sequence's length),
+  in place of g: tril(1) g on the tensor cores, g as three bf16 pieces whose sum is g exactly (each
+  product exact, the sums fp32); G at tokens 15, 31, 47 and 63 (the references below and the last),
+  and exp(G_last), the chain's decay. (A separate pass wrote G to HBM and the kernel read it back:
+  1 KB a token and head of the scan's traffic);
 - the scores A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), with q and k
   L2-normalised (q also scaled by dk^-0.5). The decay exp(G_i - G_j) of a channel factors through a
   reference: the middle of each 32-token diagonal block (every factor exp(x) with |x| <= 16 |g|,
@@ -53,9 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import kda_gates
-from pallas_kernels.kda_gates import CHUNK
-
+CHUNK = 64  # tokens per chunk of the scan
 HALF = CHUNK // 2
 L2_EPS = 1e-6
 # exp(16 |g|) times 128 channels stays finite in fp32 while |g| <= 5 (exp(80) * 128 = 7e36).
@@ -65,7 +67,8 @@ BLOCK_K = 64  # channels per step: every product is [64, 64] x [64, 64]
 _SUB_BLOCK = 16  # rows of the inverse's diagonal blocks computed on the CUDA cores
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-_MARKS = CHUNK // kda_gates.MARK  # G is also passed at every 8th token (the scores' reference tokens and the last)
+_MARK = 16  # G is kept at every 16th token's end (15, 31, 47, 63): the scores' reference tokens and the last
+_MARKS = CHUNK // _MARK
 
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
@@ -73,8 +76,8 @@ _COL = _WG.reduce(0)  # one value per column
 
 
 def _mark_of(token):
-    """The index of token 8 i + 7 among the marks."""
-    return (token + 1) // kda_gates.MARK - 1
+    """The index of token 16 i + 15 among the marks."""
+    return token // _MARK
 
 
 def _operand_smem(shape, dtype=_BF16):
@@ -192,8 +195,8 @@ def _unit_lower_inverse(a, a_pair, t_pair, c_pair, rows_s):
 
 
 def _intra_kernel(
-    q_ref, k_ref, v_ref, cum_ref, marks_ref, beta_ref,
-    w_ref, u_hi_ref, u_lo_ref, qw_refs, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref,
+    lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+    w_ref, u_hi_ref, u_lo_ref, qw_refs, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref,
     k_s, cum_s, beta_s, loaded, v_loaded, q_loaded,
 ):
     """One chunk of one head, in blocks of 64 channels: every product is [64, 64] x [64, 64]. k, G and
@@ -225,18 +228,46 @@ def _intra_kernel(
 
     r, cl = _iota(square, 0), _iota(square, 1)
 
-    def scores_and_kd(q_s, operands, marks_s):
-        """A_qk and A_kk, k exp(G_last - G) out; the rows' norms. `operands` holds the scores' fp32 key
-        and left operands, then the (hi, lo) pairs of k exp(G_last - G) on their way out."""
-        (key_s, left_s), (key_pair, left_pair) = operands
+    def gate_sums(ones_s, pieces, marks_s, decay_s):
+        """G in place of g in `cum_s`: tril(1) g, g masked past the sequence's length and split into
+        three bf16 pieces that sum to it exactly, so that each product is exact and only the fp32 sums
+        round. G at tokens 15, 31, 47 and 63 into `marks_s`; exp(G_last) out (the chain's decay)."""
+        ones_s[...] = jnp.where(cl <= r, 1.0, 0.0).astype(_BF16)
+        valid = lengths_ref[b] - n * c  # tokens at or past a sequence's length do not decay
+
+        @block_loop
+        def _(j, cols):
+            rest = jnp.where(r < valid, cum(cols), 0.0)
+            for piece in pieces:  # hi, mid, lo: 8 significant bits each, fp32's 24 in all
+                part = rest.astype(_BF16)
+                piece[...] = part
+                rest = rest - part.astype(_F32)
+            plgpu.commit_smem()  # the pieces are in; every warp has read g's block
+            cum_s.at[:, cols][...] = _matmul(square, [(ones_s, piece) for piece in pieces])
+            # The marks from G's transpose, channels as rows: a row's own lanes hold its tokens, so
+            # picking a token takes no exchange between warps (a column of G would: 2 barriers each).
+            sums_t = _matmul(square, [(piece.T, ones_s.T) for piece in pieces])
+            for i in range(_MARKS):
+                mark = jnp.sum(jnp.where(cl == _MARK * i + _MARK - 1, sums_t, 0.0), axis=1)
+                marks_s.at[i, cols][...] = mark
+            decay_s.at[cols][...] = jnp.exp(mark)
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(decay_s, decay_ref.at[b, h, n])
+
+    def scores_and_kd(q_s, operands, marks_s, decay_s):
+        """G; A_qk and A_kk, k exp(G_last - G) out; the rows' norms. `operands` holds the gate sums'
+        operands, then the scores' fp32 key and left operands, then the (hi, lo) pairs of
+        k exp(G_last - G) on their way out."""
+        (key_s, left_s), (key_pair, left_pair), (ones_s, *pieces) = operands
         plgpu.copy_gmem_to_smem(q_ref.at[b, tokens, h], q_s, loaded)
-        for src, dst in ((k_ref, k_s), (cum_ref, cum_s)):
+        for src, dst in ((k_ref, k_s), (g_ref, cum_s)):
             plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, loaded)
-        plgpu.copy_gmem_to_smem(marks_ref.at[b, pl.ds(n * _MARKS, _MARKS), h], marks_s, loaded)
         plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tokens], beta_s, loaded)
         plgpu.barrier_wait(loaded)
+        gate_sums(ones_s, pieces, marks_s, decay_s)
 
-        def at_mark(i, cols):  # G at token 8 i + 7, one value per column
+        def at_mark(i, cols):  # G at token 16 i + 15, one value per column
             return cols_of(_load(marks_s.at[i, cols], _COL, optimized=False))
 
         def inverse_norm(ref, scale):
@@ -305,11 +336,13 @@ def _intra_kernel(
     # Unswizzled buffers after the swizzled ones: on the H200 one placed before the swizzled operands
     # gave wrong products in rows 8-15 of every 16 (bench/RESULTS.md, the probes of commit 8556005).
     score_operands = (_operand_smem(square, _F32), _operand_smem(square, _F32))
+    sum_operands = tuple(_operand_smem(square) for _ in range(4))  # tril(1) and g's three pieces
     a_qk, a_kk, q_scale, k_scale = pl.run_scoped(
         scores_and_kd,
         _operand_smem((c, dk)),
-        plgpu.RefUnion(score_operands, (pair_smem(), pair_smem())),
+        plgpu.RefUnion(score_operands, (pair_smem(), pair_smem()), sum_operands),
         plgpu.SMEM((_MARKS, dk), _F32),
+        plgpu.SMEM((dk,), _F32),
     )
 
     def wy_products(v_s, halves_hi, halves_lo, rows_s):
@@ -388,21 +421,22 @@ def intra(q, k, v, g, beta, lengths, *, qw_lo=True, interpret=False):
     n_chunks = -(-t // c)
     padded = n_chunks * c
     beta = jnp.where(jnp.arange(t) < lengths[:, None, None], beta, 0.0)  # past a sequence's end: no writes
-    cum, marks, decay = kda_gates.gate_sums(g, lengths, padded, interpret=interpret)
+    g = g.astype(_F32)
     if t % 8:  # TMA needs whole 8-row tiles and 16-byte strides in HBM; the rows past T read as zeros anyway
-        q, k, v = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v))
+        q, k, v, g = (jnp.pad(x, [(0, 0), (0, -t % 8), (0, 0), (0, 0)]) for x in (q, k, v, g))
         beta = jnp.pad(beta, [(0, 0), (0, 0), (0, -t % 8)])
     half = jax.ShapeDtypeStruct((b, h, padded, dk), _BF16)
+    decay = jax.ShapeDtypeStruct((b, h, n_chunks, dk), _F32)
     kernel = plgpu.kernel(
         _intra_kernel,
-        out_type=(half, half, half, (half, half) if qw_lo else (half,), half, half, half, half),  # w, u, q_w, ...
+        out_type=(half, half, half, (half, half) if qw_lo else (half,), half, half, half, half, decay),  # w, u, q_w, ...
         grid=(n_chunks, h, b),
         grid_names=("n", "h", "b"),
         scratch_types=(
             _operand_smem((c, dk)),  # k, then w
-            _operand_smem((c, dk), _F32),  # G
+            _operand_smem((c, dk), _F32),  # g, then G
             plgpu.SMEM((c,), _F32),  # beta
-            plgpu.Barrier(num_arrivals=5),  # q, k, G, G at every 8th token, beta
+            plgpu.Barrier(num_arrivals=4),  # q, k, g, beta
             plgpu.Barrier(num_arrivals=dk // BLOCK_K),  # v
             plgpu.Barrier(num_arrivals=dk // BLOCK_K),  # q again, for q_w
         ),
@@ -415,5 +449,5 @@ def intra(q, k, v, g, beta, lengths, *, qw_lo=True, interpret=False):
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="kda_intra",
     )
-    w, u_hi, u_lo, qw, *rest = kernel(q, k, v, cum, marks, beta)
-    return (w, u_hi, u_lo, qw[0], qw[1] if qw_lo else None, *rest, decay)
+    w, u_hi, u_lo, qw, *rest = kernel(lengths, q, k, v, g, beta)
+    return (w, u_hi, u_lo, qw[0], qw[1] if qw_lo else None, *rest)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import relative_error
 
-from pallas_kernels import kda, kda_chain, kda_decode, kda_gates, kda_intra, kda_triton
+from pallas_kernels import kda, kda_chain, kda_decode, kda_intra, kda_triton
 
 TOLERANCE = 2e-3
 
@@ -93,37 +93,23 @@ def test_chunk_scan_ragged_lengths_in_one_batch():
     assert_scan_matches(args, s0, lengths=jnp.array([200, 1, 77], jnp.int32))
 
 
-GATE_SUMS = {
-    "kernel": lambda *a: kda_gates.gate_sums(*a, interpret=True),
-    "reference": kda_gates.gate_sums_reference,
-}
-
-
-@pytest.mark.parametrize("implementation", GATE_SUMS)
 @pytest.mark.parametrize("t, lengths", [(150, [150, 1, 70]), (1, [1, 1, 0]), (128, [128, 64, 65])])
-@pytest.mark.parametrize("h", [2, 3])  # H dk = 128: one tile of 128 columns; 192: padded to one of 256
-def test_gate_sums_against_a_float64_cumsum(implementation, t, lengths, h):
-    """G (running sums of g inside each chunk, zero at or past each sequence's length), G at every
-    8th token and exp(G_last), as the intra kernel takes them: ragged lengths and tails, one token."""
-    b, d = 3, 64
-    padded = -(-t // 64) * 64
-    g = -5.0 * jax.nn.sigmoid(jax.random.normal(jax.random.key(t), (b, t, h, d)))
+@pytest.mark.parametrize("h, d", [(2, 64), (1, 128)])
+def test_intra_decay_against_a_float64_cumsum(t, lengths, h, d):
+    """exp(G_last) per chunk, G the running sums of g that the intra kernel forms on the tensor cores
+    (zero at or past each sequence's length): ragged lengths and tails, one token, an empty sequence."""
+    b = 3
+    q, k, v, g, beta = scan_inputs(t + h, b, t, h, d)
     lengths = np.array(lengths)
-    cum, marks, decay = GATE_SUMS[implementation](g, jnp.asarray(lengths, jnp.int32), padded)
+    args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, jnp.swapaxes(beta, 1, 2))
+    decay = kda_intra.intra(*args, jnp.asarray(lengths, jnp.int32), qw_lo=False, interpret=True)[-1]
+    padded = -(-t // 64) * 64
     x = np.where((np.arange(t) < lengths[:, None])[:, :, None, None], np.asarray(g, np.float64), 0.0)
     x = np.pad(x, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // 64, 64, h, d)
-    want = np.cumsum(x, axis=2).reshape(b, padded, h, d)
-    # Running fp32 sums of up to 64 gates in [-5, 0]: a few fp32 ulps of |G| <= 320 (3e-5 each)
-    assert cum.shape == (b, padded, h, d) and np.abs(np.asarray(cum) - want).max() < 2e-4
-    np.testing.assert_allclose(marks, want[:, 7::8], rtol=0, atol=2e-4)
-    np.testing.assert_allclose(decay, np.exp(np.swapaxes(want[:, 63::64], 1, 2)), rtol=1e-4, atol=1e-37)
-
-
-@pytest.mark.parametrize("block", [0, -128, 64, 384, 512])
-def test_gate_sums_refuses_a_tile_other_than_128_or_256(block):
-    g = jnp.zeros((1, 64, 4, 128))
-    with pytest.raises(ValueError, match="block must be 128 or 256"):
-        kda_gates.gate_sums(g, jnp.array([64], jnp.int32), 64, block=block)
+    want = np.exp(np.swapaxes(x.sum(axis=2), 1, 2))  # [B, H, chunks, d]
+    # fp32 sums of up to 64 gates in [-5, 0]: a few fp32 ulps of |G| <= 320 (3e-5 each)
+    assert decay.shape == want.shape
+    np.testing.assert_allclose(decay, want, rtol=1e-4, atol=1e-37)
 
 
 @pytest.mark.parametrize("o_products", [1, 2])

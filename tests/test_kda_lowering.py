@@ -1,4 +1,4 @@
-"""The KDA kernels (the scan's gate sums, intra and chain kernels in Mosaic GPU; the decode step's
+"""The KDA kernels (the scan's intra and chain kernels in Mosaic GPU; the decode step's
 Triton and Mosaic GPU kernels) lowered for the H200 on the CPU (no GPU needed; an abstract H200 stands in
 for Triton's target): the lowering checks TMA shapes, layouts, wgmma operands and Triton's block
 shapes, which the interpreter does not."""
@@ -26,7 +26,7 @@ def lowered_calls(fn, *args):
 def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
     args = kda_chain.scan_arg_shapes(b, t, h, d)
     calls = lowered_calls(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16), *args)
-    assert calls == ["mosaic_gpu_v2"] * 3, calls  # gate sums, intra, chain
+    assert calls == ["mosaic_gpu_v2"] * 2, calls  # intra, chain
 
 
 @pytest.mark.parametrize("multicast", [False, True])
@@ -36,7 +36,7 @@ def test_chain_with_one_value_slot_lowers_for_the_gpu(b, t, h, d, multicast):
     scan = lambda *a: kda_chain.chunk_scan(  # noqa: E731
         *a, out_dtype=jnp.bfloat16, block_v=64, value_slots=1, multicast=multicast
     )
-    assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 3
+    assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 2
 
 
 @pytest.mark.parametrize("value_slots", [1, 2])
@@ -46,7 +46,7 @@ def test_chain_with_multicast_lowers_for_the_gpu(b, t, h, d, value_slots):
     scan = lambda *a: kda_chain.chunk_scan(  # noqa: E731
         *a, out_dtype=jnp.bfloat16, value_slots=value_slots, multicast=True
     )
-    assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 3
+    assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 2
 
 
 @pytest.mark.parametrize(
