@@ -1,7 +1,8 @@
 """The whole model on the GPU: parity with transformers' goldens and end-to-end timings.
 
-    python3 bench/model_gpu.py GOLDENS_DIR
+    python3 bench/model_gpu.py [GOLDENS_DIR]           # 1. (with GOLDENS_DIR) and 2.
     python3 bench/model_gpu.py --long 16384,32768     # 3. alone
+    python3 bench/model_gpu.py --decode-profile        # 4. alone
 
 1. The shipped tiny checkpoint, fp32, through the pure-jnp references: logits against the
    transformers goldens; greedy generation against transformers' cached generation. (Its KDA head
@@ -12,6 +13,10 @@
    path's logits against the references' (max|d| / max|ref|). The Pallas path runs every kernel:
    the KDA scan and decode step, the MoE's grouped GEMM and DSA's latent attention.
 3. With --long: that MoE config's forward over one long sequence through the kernels alone.
+4. With --decode-profile: where the wider configs' decode step (batch 8, 4096 cached) spends its
+   time, for both implementations: the wall time of `decode_step` (host checks included) and of
+   `decode_unchecked`, the GPU time of one step (the sum of its kernels in a profiler trace) and
+   its costliest kernels.
 """
 
 import os
@@ -117,8 +122,71 @@ def long_forward(tokens):
     return ms, bool(jnp.isfinite(logits).all())
 
 
+def decode_profile(mlps, top=12):
+    """Wall ms of `decode_step` and of `decode_unchecked`, and the kernels of one step from a
+    `jax.profiler` trace (CUPTI) of `steps` steps: (implementation, wall, wall unchecked, GPU ms a
+    step, kernels a step, [(ms a step, launches a step, name)] costliest first)."""
+    import collections
+    import glob
+    import tempfile
+
+    from glm5next_jax import inference
+
+    config = wider_config(mlps)
+    params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
+    cache = glm5next_jax.init_cache(config, 8, 4096 + 64, dtype="bfloat16", latent_dtype="float8_e4m3fn")
+    prompt = jax.random.randint(jax.random.key(2), (8, 4096), 2, config.vocab_size)
+    _, cache = glm5next_jax.prefill(params, config, prompt, None, cache)
+    tokens = np.arange(8, dtype=np.int32) + 5
+    device_tokens = jnp.asarray(tokens)
+    results, steps = [], 10
+    for impl in ("reference", None):
+        state = {"cache": jax.tree.map(jnp.copy, cache)}
+
+        def checked(impl=impl):
+            out, state["cache"] = glm5next_jax.decode_step(params, config, tokens, state["cache"], implementation=impl)
+            return out
+
+        def unchecked(impl=impl):
+            out, state["cache"] = inference.decode_unchecked(params, config, device_tokens, state["cache"], impl)
+            return out
+
+        wall, wall_unchecked = median_ms(checked), median_ms(unchecked)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                for _ in range(steps):
+                    out = unchecked()
+                jax.block_until_ready(out)
+            (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+            data = jax.profiler.ProfileData.from_file(path)
+        per_name, launches, lines = collections.defaultdict(float), collections.Counter(), set()
+        for plane in data.planes:
+            if plane.name.startswith("/device:GPU"):
+                for line in plane.lines:
+                    if line.name.startswith("XLA"):  # the op and module lines span the kernels
+                        continue
+                    lines.add(line.name)
+                    for event in line.events:
+                        per_name[event.name] += event.duration_ns / 1e6 / steps
+                        launches[event.name] += 1
+        ranked = sorted(((ms, launches[name] / steps, name) for name, ms in per_name.items()), reverse=True)
+        print(f"{mlps}, {impl or 'auto'}: trace lines read: {sorted(lines)}")
+        results.append((impl or "auto (pallas)", wall, wall_unchecked, sum(per_name.values()),
+                        sum(launches.values()) / steps, ranked[:top]))
+    return results
+
+
 def main():
     print("devices:", jax.devices())
+    if "--decode-profile" in sys.argv:
+        for mlps in ("dense", "moe"):
+            for impl, wall, unchecked, gpu, kernels, ranked in decode_profile(mlps):
+                print(f"\n{mlps} MLPs, {impl}: decode_step {wall:.3f} ms wall, decode_unchecked {unchecked:.3f} ms, "
+                      f"GPU {gpu:.3f} ms in {kernels:.0f} kernels a step")
+                print("| ms a step | launches a step | kernel |\n|---|---|---|")
+                for ms, n, name in ranked:
+                    print(f"| {ms:.4f} | {n:.0f} | {name[:110]} |")
+        return
     if "--long" in sys.argv:  # python3 bench/model_gpu.py --long 16384,32768: only the long forwards
         print("\n| moe config: forward 1 x T, kernels | median ms | tokens / s | logits finite |")
         print("|---|---|---|---|")
@@ -126,12 +194,13 @@ def main():
             ms, finite = long_forward(tokens)
             print(f"| T = {tokens} | {ms:.1f} | {tokens / ms * 1e3:.0f} | {finite} |", flush=True)
         return
-    rows, same = parity(sys.argv[1])
-    print("\n| case | kernels | max|d|/max|ref| vs transformers fp32 |")
-    print("|---|---|---|")
-    for case, impl, err in rows:
-        print(f"| {case} | {impl} | {err:.2e} |")
-    print(f"\ngreedy generation, 2 x 32 tokens: {same}/64 identical to transformers' cached generation")
+    if len(sys.argv) > 1:  # without GOLDENS_DIR: the timings (2.) alone
+        rows, same = parity(sys.argv[1])
+        print("\n| case | kernels | max|d|/max|ref| vs transformers fp32 |")
+        print("|---|---|---|")
+        for case, impl, err in rows:
+            print(f"| {case} | {impl} | {err:.2e} |")
+        print(f"\ngreedy generation, 2 x 32 tokens: {same}/64 identical to transformers' cached generation")
     print("\n| workload | kernels | median ms | logits max|d|/max|ref| vs the references | top-1 agreement |")
     print("|---|---|---|---|---|")
     for mlps in ("dense", "moe"):
