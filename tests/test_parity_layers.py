@@ -92,6 +92,17 @@ def test_hyper_connection_mapping(goldens):
     np.testing.assert_allclose(np.asarray(comb).sum(-2), 1.0, atol=1e-3)
 
 
+def test_hyper_connection_sinkhorn_is_unrolled_off_the_cpu(goldens):
+    """On the GPU a rolled loop is a while loop with a host round trip per iteration (bench/RESULTS.md,
+    twenty-fifth session: 152 a decode step); lowered for CUDA the mapping has none, for the CPU one."""
+    data, config = layer(goldens, "hc")
+    p = params_of(data, lambda r: read_hc(r, "", "attn", config))
+    traced = jax.jit(lambda p, x: hyper.mapping(p, x, config)).trace(p, jnp.asarray(data["streams"]))
+    loops = {platform: traced.lower(lowering_platforms=(platform,)).as_text().count("stablehlo.while")
+             for platform in ("cuda", "cpu")}
+    assert loops == {"cuda": 0, "cpu": 1}, loops
+
+
 @pytest.mark.parametrize("name", ["kda_core", "kda_core_short"])
 def test_kda_core_chunked_and_recurrent(goldens, name):
     data, _ = layer(goldens, name)

@@ -32,9 +32,13 @@ def mapping(p, streams, config):
         c = c / (c.sum(axis=-1, keepdims=True) + eps)
         return c / (c.sum(axis=-2, keepdims=True) + eps)
 
-    # Unrolled: a rolled loop is a while loop on the GPU, one host round trip per iteration (8 mappings
-    # x 19 iterations were most of a small model's decode step); unrolled, XLA fuses the iterations.
-    comb = jax.lax.fori_loop(0, config.hc_sinkhorn_iters - 1, sinkhorn_step, comb, unroll=True)
+    def sinkhorn(c, unroll):
+        return jax.lax.fori_loop(0, config.hc_sinkhorn_iters - 1, sinkhorn_step, c, unroll=unroll)
+
+    # Off the CPU, unrolled: there a rolled loop is a while loop with a host round trip per iteration
+    # (8 mappings x 19 iterations were most of a small model's decode step on the H200), and XLA fuses
+    # the unrolled iterations. On the CPU the loop is free and unrolling doubles the compile time.
+    comb = jax.lax.platform_dependent(comb, cpu=lambda c: sinkhorn(c, False), default=lambda c: sinkhorn(c, True))
     return pre, post, comb
 
 
