@@ -81,6 +81,14 @@ def wider_config(mlps):
     )
 
 
+def prefilled_cache(params, config):
+    """A cache of batch 8 holding 4096 random tokens a sequence, and the next tokens to decode."""
+    cache = glm5next_jax.init_cache(config, 8, 4096 + 64, dtype="bfloat16", latent_dtype="float8_e4m3fn")
+    prompt = jax.random.randint(jax.random.key(2), (8, 4096), 2, config.vocab_size)
+    _, cache = glm5next_jax.prefill(params, config, prompt, None, cache)
+    return cache, np.arange(8, dtype=np.int32) + 5
+
+
 def timings(mlps):
     """Rows (workload, kernels, ms, max|d|/max|ref|, top-1 agreement) against the references, for
     `wider_config(mlps)`."""
@@ -93,10 +101,7 @@ def timings(mlps):
         logits[impl] = glm5next_jax.forward(params, config, ids, implementation=impl)
         rows.append((f"{mlps}: forward 1x4096 bf16", impl or "auto (pallas)", ms, rel(logits[impl], logits["reference"]),
                      agreement(logits[impl], logits["reference"])))
-    cache = glm5next_jax.init_cache(config, 8, 4096 + 64, dtype="bfloat16", latent_dtype="float8_e4m3fn")
-    prompt = jax.random.randint(jax.random.key(2), (8, 4096), 2, config.vocab_size)
-    _, cache = glm5next_jax.prefill(params, config, prompt, None, cache)
-    tokens = np.arange(8, dtype=np.int32) + 5
+    cache, tokens = prefilled_cache(params, config)
     for impl in ("reference", None):
         # The first step from the prefilled cache gives the logits compared; the timed steps go on.
         logits[impl], _ = glm5next_jax.decode_step(params, config, tokens, jax.tree.map(jnp.copy, cache), implementation=impl)
@@ -134,10 +139,7 @@ def decode_profile(mlps, top=12):
 
     config = wider_config(mlps)
     params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
-    cache = glm5next_jax.init_cache(config, 8, 4096 + 64, dtype="bfloat16", latent_dtype="float8_e4m3fn")
-    prompt = jax.random.randint(jax.random.key(2), (8, 4096), 2, config.vocab_size)
-    _, cache = glm5next_jax.prefill(params, config, prompt, None, cache)
-    tokens = np.arange(8, dtype=np.int32) + 5
+    cache, tokens = prefilled_cache(params, config)
     device_tokens = jnp.asarray(tokens)
     results, steps = [], 10
     for impl in ("reference", None):
@@ -159,18 +161,16 @@ def decode_profile(mlps, top=12):
                 jax.block_until_ready(out)
             (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
             data = jax.profiler.ProfileData.from_file(path)
-        per_name, launches, lines = collections.defaultdict(float), collections.Counter(), set()
+        per_name, launches = collections.defaultdict(float), collections.Counter()
         for plane in data.planes:
             if plane.name.startswith("/device:GPU"):
                 for line in plane.lines:
                     if line.name.startswith("XLA"):  # the op and module lines span the kernels
                         continue
-                    lines.add(line.name)
                     for event in line.events:
                         per_name[event.name] += event.duration_ns / 1e6 / steps
                         launches[event.name] += 1
         ranked = sorted(((ms, launches[name] / steps, name) for name, ms in per_name.items()), reverse=True)
-        print(f"{mlps}, {impl or 'auto'}: trace lines read: {sorted(lines)}")
         results.append((impl or "auto (pallas)", wall, wall_unchecked, sum(per_name.values()),
                         sum(launches.values()) / steps, ranked[:top]))
     return results
