@@ -130,11 +130,7 @@ def long_forward(tokens):
 def decode_profile(mlps, top=12):
     """Wall ms of `decode_step` and of `decode_unchecked`, and the kernels of one step from a
     `jax.profiler` trace (CUPTI) of `steps` steps: (implementation, wall, wall unchecked, GPU ms a
-    step, kernels a step, [(ms a step, launches a step, name)] costliest first)."""
-    import collections
-    import glob
-    import tempfile
-
+    step, kernels a step, [(ms a step, launches a step, name, HLO result and op)] costliest first)."""
     from glm5next_jax import inference
 
     config = wider_config(mlps)
@@ -154,26 +150,56 @@ def decode_profile(mlps, top=12):
             return out
 
         wall, wall_unchecked = median_ms(checked), median_ms(unchecked)
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                for _ in range(steps):
-                    out = unchecked()
-                jax.block_until_ready(out)
-            (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-            data = jax.profiler.ProfileData.from_file(path)
-        per_name, launches = collections.defaultdict(float), collections.Counter()
-        for plane in data.planes:
-            if plane.name.startswith("/device:GPU"):
-                for line in plane.lines:
-                    if line.name.startswith("XLA"):  # the op and module lines span the kernels
-                        continue
-                    for event in line.events:
-                        per_name[event.name] += event.duration_ns / 1e6 / steps
-                        launches[event.name] += 1
-        ranked = sorted(((ms, launches[name] / steps, name) for name, ms in per_name.items()), reverse=True)
+        per_name, launches = trace_kernels(unchecked, steps)
+        sources = fusion_sources(inference._decode.lower(params, config, device_tokens, state["cache"], impl))
+        ranked = sorted(((ms, launches[name], name, sources.get(name, "")) for name, ms in per_name.items()), reverse=True)
         results.append((impl or "auto (pallas)", wall, wall_unchecked, sum(per_name.values()),
-                        sum(launches.values()) / steps, ranked[:top]))
+                        sum(launches.values()), ranked[:top]))
     return results
+
+
+def trace_kernels(run, steps):
+    """({kernel name: GPU ms a call}, {kernel name: launches a call}) over `steps` calls of run()
+    back to back after one outside the trace, from a `jax.profiler` trace (CUPTI)."""
+    import collections
+    import glob
+    import tempfile
+
+    jax.block_until_ready(run())  # compiled and autotuned outside the trace
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                out = run()
+            jax.block_until_ready(out)
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    per_name, launches = collections.defaultdict(float), collections.defaultdict(float)
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("XLA"):  # the op and module lines span the kernels
+                    continue
+                for event in line.events:
+                    per_name[event.name] += event.duration_ns / 1e6 / steps
+                    launches[event.name] += 1 / steps
+    return dict(per_name), dict(launches)
+
+
+def fusion_sources(lowered):
+    """{kernel name: its HLO instruction's result type and op name} from the compiled module's text
+    (a trace names kernels by their instructions, with '.' as '_'; the type says which array a
+    memory-bound kernel walks)."""
+    import re
+
+    sources = {}
+    for line in lowered.compile().as_text().splitlines():
+        found = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\S+) .*op_name=\"([^\"]*)\"", line)
+        if found:
+            name, result, op_name = found.groups()
+            where = f"{result.split('{')[0]} {'/'.join(op_name.split('/')[-3:])}"
+            sources.setdefault(name, where)
+            sources.setdefault(name.replace(".", "_"), where)
+    return sources
 
 
 def main():
@@ -183,9 +209,9 @@ def main():
             for impl, wall, unchecked, gpu, kernels, ranked in decode_profile(mlps):
                 print(f"\n{mlps} MLPs, {impl}: decode_step {wall:.3f} ms wall, decode_unchecked {unchecked:.3f} ms, "
                       f"GPU {gpu:.3f} ms in {kernels:.0f} kernels a step")
-                print("| ms a step | launches a step | kernel |\n|---|---|---|")
-                for ms, n, name in ranked:
-                    print(f"| {ms:.4f} | {n:.0f} | {name[:110]} |")
+                print("| ms a step | launches a step | kernel | result, op (HLO) |\n|---|---|---|---|")
+                for ms, n, name, source in ranked:
+                    print(f"| {ms:.4f} | {n:.0f} | {name[:110]} | {source} |")
         return
     if "--long" in sys.argv:  # python3 bench/model_gpu.py --long 16384,32768: only the long forwards
         print("\n| moe config: forward 1 x T, kernels | median ms | tokens / s | logits finite |")

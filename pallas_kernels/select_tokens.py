@@ -37,12 +37,31 @@ def pool_validity(key_valid, n_pools, pool_size):
     return ((idx < s) & valid.reshape(idx.shape)).all(-1)
 
 
+def visible_key_counts(key_valid, query_positions):
+    """[B, T]: the valid keys at or before each query's position (0 before the first key)."""
+    s = key_valid.shape[-1]
+    # Valid keys at or before each key, materialised: on the GPU, XLA expands a cumsum into a tree
+    # of reduce-windows, and fused into the rows of selected tokens that use these counts, each
+    # thread reading one walks the tree over the whole key axis again (the H200 HLO and timings in
+    # bench/RESULTS.md: two such fusions of 0.02-0.04 ms each, for rows of 16 K int32s, in a decode step).
+    valid_through = jax.lax.optimization_barrier(jnp.cumsum(key_valid, axis=-1, dtype=jnp.int32))
+    return jnp.where(
+        query_positions < 0, 0, jnp.take_along_axis(valid_through, jnp.clip(query_positions, 0, s - 1), axis=-1)
+    )
+
+
 def pool_scores(q_idx, head_weights, pool_keys):
     """score[b, t, p] = sum_h w[b, t, h] * relu(q[b, t, h] . pool_key[b, p] / sqrt(hd)), fp32."""
     scale = q_idx.shape[-1] ** -0.5
-    dots = jnp.einsum(
-        "bthd,bpd->bthp", q_idx.astype(jnp.float32), pool_keys.astype(jnp.float32), precision=HIGHEST
-    )
+    if q_idx.dtype == pool_keys.dtype == jnp.bfloat16:
+        # Products of bf16 values are exact in fp32: the sums HIGHEST forms on fp32 copies, but on
+        # the tensor cores at the bf16 rate (on the H200 the fp32 product was half of the
+        # selection's time at 4096 tokens, 1.0 of 1.9 ms, and it grows with T * n_pools).
+        dots = jnp.einsum("bthd,bpd->bthp", q_idx, pool_keys, preferred_element_type=jnp.float32)
+    else:
+        dots = jnp.einsum(
+            "bthd,bpd->bthp", q_idx.astype(jnp.float32), pool_keys.astype(jnp.float32), precision=HIGHEST
+        )
     scores = jnp.einsum(
         "bth,bthp->btp", head_weights.astype(jnp.float32), jax.nn.relu(dots * scale), precision=HIGHEST
     )
@@ -88,10 +107,7 @@ def select_tokens_reference(
         parts.append(tokens.reshape(b, t, n_select * pool_size))
 
     if select_tail and pool_size > 1:
-        valid_through = jnp.cumsum(key_valid, axis=-1, dtype=jnp.int32)  # valid keys at or before each key
-        visible_count = jnp.where(
-            query_positions < 0, 0, jnp.take_along_axis(valid_through, jnp.clip(query_positions, 0, s - 1), axis=-1)
-        )
+        visible_count = visible_key_counts(key_valid, query_positions)
         tail_count = visible_count % pool_size
         offsets = jnp.arange(pool_size - 1, dtype=jnp.int32)
         tail = (first_key[:, None] + visible_count - tail_count)[..., None] + offsets

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.select_tokens import select_tokens
+from pallas_kernels.select_tokens import pool_scores, select_tokens, visible_key_counts
 
 
 def inputs(key, b, t, pool, nh=4, hd=8, mask=None):
@@ -75,3 +75,42 @@ def test_query_blocks_do_not_change_the_selection(monkeypatch):
     blocked = select_tokens(q, w, keys[:, :10], mask, pos, index_topk=12, pool_size=4)
     np.testing.assert_array_equal(np.asarray(whole), np.asarray(blocked))
     assert (np.asarray(whole) >= 0).any(axis=-1).sum() == 2 * 45 - 6 - 5  # every valid query selects
+
+
+def test_visible_key_counts_match_a_numpy_count():
+    """Valid keys at or before each query (holes in the mask too; a query before the first key sees 0)."""
+    rng = np.random.default_rng(0)
+    key_valid = rng.random((3, 50)) < 0.7
+    positions = rng.integers(-2, 50, (3, 20)).astype(np.int32)
+    want = [[key_valid[b, : p + 1].sum() if p >= 0 else 0 for p in row] for b, row in enumerate(positions)]
+    np.testing.assert_array_equal(visible_key_counts(jnp.asarray(key_valid), jnp.asarray(positions)), want)
+
+
+def test_visible_key_counts_are_materialised_for_the_gpu():
+    """Fused into the selected rows, XLA's cumsum tree is walked again for each element read (the
+    decode step's two fusions of 0.02-0.04 ms on the H200, bench/RESULTS.md): the counts go through an
+    optimization barrier."""
+    traced = jax.jit(visible_key_counts).trace(jnp.ones((2, 64), bool), jnp.zeros((2, 1), jnp.int32))
+    assert traced.lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.optimization_barrier") == 1
+
+
+def test_bf16_pool_scores_are_the_exact_products_summed_in_fp32():
+    """bf16 operands go to the tensor cores unconverted: their products are exact, so the scores
+    equal a float64 computation on the same values to fp32 summation error, and select what the
+    fp32 path selects on the upcast values."""
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (2, 40, 4, 32), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (2, 40, 4)) * 0.5
+    keys = jax.random.normal(ks[2], (2, 10, 32), jnp.bfloat16)
+    q64, k64, w64 = (np.asarray(x, np.float64) for x in (q, keys, w))
+    want = np.einsum("bth,bthp->btp", w64, np.maximum(np.einsum("bthd,bpd->bthp", q64, k64) * 32**-0.5, 0))
+    np.testing.assert_allclose(pool_scores(q, w, keys), want, rtol=1e-5, atol=1e-5)
+    dots = [e for e in jax.make_jaxpr(pool_scores)(q, w, keys).eqns if e.primitive.name == "dot_general"]
+    assert [v.aval.dtype for v in dots[0].invars] == [jnp.bfloat16] * 2
+    mask = jnp.ones((2, 40), bool)
+    positions = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+    kw = dict(index_topk=16, pool_size=4)
+    np.testing.assert_array_equal(
+        select_tokens(q, w, keys, mask, positions, **kw),
+        select_tokens(q.astype(jnp.float32), w, keys.astype(jnp.float32), mask, positions, **kw),
+    )
