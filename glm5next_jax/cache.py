@@ -19,9 +19,7 @@ data, so a caller may remap pages. Writes past a sequence's pages are dropped, n
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .config import DSA, Config
 
@@ -193,7 +191,3 @@ def bytes_per_token(config: Config, latent_dtype="bfloat16", dtype="bfloat16") -
         3 * c.kda_dim * c.linear_conv_kernel_dim * dtype.itemsize + c.linear_num_heads * c.linear_head_dim**2 * 4
     )
     return {"per_token": per_token, "kda_state_per_sequence": float(fixed)}
-
-
-def host_lengths(cache) -> np.ndarray:
-    return np.asarray(jax.device_get(cache["lengths"]))

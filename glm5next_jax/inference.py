@@ -109,7 +109,12 @@ def decode_unchecked(params, config: Config, token_ids, cache, implementation=No
 
 def check_cache(params, config: Config, cache, batch: int, n_new) -> None:
     """The engine's invariants, checked before any computation (raises ValueError)."""
-    lengths = cache_lib.host_lengths(cache)
+    indexed = [i for i, layer in enumerate(cache["layers"]) if "indexer_length" in layer]
+    # One transfer for every length the checks read (each is a wait on the device's queue).
+    lengths, indexer_lengths = jax.device_get(
+        (cache["lengths"], [cache["layers"][i]["indexer_length"] for i in indexed])
+    )
+    lengths = np.asarray(lengths)
     if lengths.shape != (batch,):
         raise ValueError(f"batch mismatch: the inputs have {batch} sequences, the cache {lengths.shape[0]}")
     dtype = params["embed_tokens"].dtype
@@ -128,10 +133,9 @@ def check_cache(params, config: Config, cache, batch: int, n_new) -> None:
             f"no room: sequences {np.nonzero(np.asarray(n_new) > room)[0].tolist()} would exceed the cache's "
             f"{cache_lib.max_len(cache)} tokens (lengths {lengths.tolist()}, adding {np.asarray(n_new).tolist()})"
         )
-    for i, layer in enumerate(cache["layers"]):
-        if "indexer_length" in layer:
-            behind = np.asarray(jax.device_get(layer["indexer_length"])) < lengths
-            if behind.any():
-                raise ValueError(
-                    f"layer {i}: the indexer cache is behind the sequence for rows {np.nonzero(behind)[0].tolist()}"
-                )
+    for i, indexer_length in zip(indexed, indexer_lengths):
+        behind = np.asarray(indexer_length) < lengths
+        if behind.any():
+            raise ValueError(
+                f"layer {i}: the indexer cache is behind the sequence for rows {np.nonzero(behind)[0].tolist()}"
+            )
