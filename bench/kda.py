@@ -470,12 +470,16 @@ def main():
         INTERPRET, PREFILL_SHAPES, DECODE_BATCHES = True, [(1, 128, 2, 64)], [2]
     log("jax", jax.__version__, jax.devices())
     hbm = HBM
-    if "check" not in skip:
-        check_small()
-    if "decode" not in skip:
-        bench_decode(hbm, [decode_variant(v) for v in args.decode_variants.split(",")], args.decode_dim)
-    if "prefill" not in skip:
-        bench_prefill({name: CONFIGS[name] for name in args.configs.split(",")})
+    sections = {
+        "check": check_small,
+        "decode": lambda: bench_decode(hbm, [decode_variant(v) for v in args.decode_variants.split(",")], args.decode_dim),
+        "prefill": lambda: bench_prefill({name: CONFIGS[name] for name in args.configs.split(",")}),
+    }
+    for name, run in sections.items():
+        if name not in skip:
+            started = time.perf_counter()
+            run()
+            log(f"({name}: {time.perf_counter() - started:.0f} s, compilation included)")  # for planning device calls
     log("\n| section | implementation | shape | error | ms | note |\n| --- | --- | --- | --- | --- | --- |")
     for section, name, shape, err, ms, note in ROWS:
         log(f"| {section} | {name} | {shape} | {err:.1e} | {ms:.4f} | {note} |")
