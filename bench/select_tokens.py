@@ -1,6 +1,6 @@
 """DSA's token selection (`pallas_kernels.select_tokens`, jnp) on the GPU, with what the model's
-cached DSA layer does with its rows (the workspace write and the latent attention's padding to
-whole query blocks), at the wider config's shapes (bench/model_gpu.py: 32 index heads of 128,
+cached DSA layer does with its rows (the workspace write, and the padding to the latent attention
+kernel's blocks of 64 tokens), at the wider config's shapes (bench/model_gpu.py: 32 index heads of 128,
 top-k 2048 in pools of 4): the decode step at batch 8 over 4096 cached tokens and a prefill of
 1 x 4096. Prints the GPU time a call (sum of its kernels in a profiler trace) and the costliest
 kernels with their HLO result and op; with --hlo DIR, writes those kernels' fused computations there.
