@@ -151,7 +151,8 @@ def decode_profile(mlps, top=12):
 
         wall, wall_unchecked = median_ms(checked), median_ms(unchecked)
         per_name, launches = trace_kernels(unchecked, steps)
-        sources = fusion_sources(inference._decode.lower(params, config, device_tokens, state["cache"], impl))
+        hlo = inference._decode.lower(params, config, device_tokens, state["cache"], impl).compile().as_text()
+        sources = fusion_sources(hlo)
         ranked = sorted(((ms, launches[name], name, sources.get(name, "")) for name, ms in per_name.items()), reverse=True)
         results.append((impl or "auto (pallas)", wall, wall_unchecked, sum(per_name.values()),
                         sum(launches.values()), ranked[:top]))
@@ -185,14 +186,14 @@ def trace_kernels(run, steps):
     return dict(per_name), dict(launches)
 
 
-def fusion_sources(lowered):
-    """{kernel name: its HLO instruction's result type and op name} from the compiled module's text
+def fusion_sources(hlo_text):
+    """{kernel name: its HLO instruction's result type and op name} from a compiled module's text
     (a trace names kernels by their instructions, with '.' as '_'; the type says which array a
     memory-bound kernel walks)."""
     import re
 
     sources = {}
-    for line in lowered.compile().as_text().splitlines():
+    for line in hlo_text.splitlines():
         found = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\S+) .*op_name=\"([^\"]*)\"", line)
         if found:
             name, result, op_name = found.groups()

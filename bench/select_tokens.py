@@ -70,8 +70,8 @@ def main():
     for shape_name, shape in SHAPES.items():
         args = inputs(*shape)
         per_name, launches = trace_kernels(lambda: step(*args), 10)
-        lowered = step.lower(*args)
-        sources = fusion_sources(lowered)
+        hlo = step.lower(*args).compile().as_text()  # once: for the names and the fused computations
+        sources = fusion_sources(hlo)
         ranked = sorted(((ms, launches[name], name) for name, ms in per_name.items()), reverse=True)[:8]
         print(f"\n{shape_name}: GPU {sum(per_name.values()):.4f} ms a call in {sum(launches.values()):.0f} kernels")
         print("| ms a call | launches | kernel | result, op (HLO) |\n|---|---|---|---|")
@@ -79,7 +79,7 @@ def main():
             print(f"| {ms:.4f} | {n:.0f} | {name[:60]} | {sources.get(name, '')} |")
         if hlo_dir:
             os.makedirs(hlo_dir, exist_ok=True)
-            bodies = fused_computations(lowered.compile().as_text(), [name for _, _, name in ranked if name in sources][:4])
+            bodies = fused_computations(hlo, [name for _, _, name in ranked if name in sources][:4])
             with open(os.path.join(hlo_dir, f"select_{shape[0]}x{shape[1]}.txt"), "w") as f:
                 for name, body in bodies.items():
                     f.write(f"==== {name}\n{body}\n\n")
