@@ -1,13 +1,16 @@
-"""DSA's token selection (`pallas_kernels.select_tokens`, jnp) on the GPU, with what the model's
-cached DSA layer does with its rows (the workspace write, and the padding to the latent attention
-kernel's blocks of 64 tokens), at the wider config's shapes (bench/model_gpu.py: 32 index heads of 128,
-top-k 2048 in pools of 4): the decode step at batch 8 over 4096 cached tokens and a prefill of
-1 x 4096. Prints the GPU time a call (sum of its kernels in a profiler trace) and the costliest
-kernels with their HLO result and op; with --hlo DIR, writes those kernels' fused computations there.
+"""DSA's token selection (`pallas_kernels.select_tokens`) on the GPU, through the reference's
+candidate scores (jnp) and through the kernel, with what the model's cached DSA layer does with its
+rows (the workspace write, and the padding to the latent attention kernel's blocks of 64 tokens), at
+the wider config's shapes (bench/model_gpu.py: 32 index heads of 128, top-k 2048 in pools of 4): the
+decode step at batch 8 over 4096 cached tokens and prefills of 1 x 4096 and 1 x 16384 (--long adds
+1 x 65536). Prints, per implementation, the GPU time a call (sum of its kernels in a profiler trace),
+the rows whose selection differs from the reference's, and the costliest kernels with their HLO result
+and op; with --hlo DIR, writes those kernels' fused computations there.
 
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/select_tokens.py [--hlo DIR]
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/select_tokens.py [--long] [--hlo DIR]
 """
 
+import functools
 import os
 import re
 import sys
@@ -21,15 +24,18 @@ from pallas_kernels import select_tokens
 SHAPES = {  # name: (batch, queries, keys in the cache, valid keys)
     "decode, batch 8, 4096 cached": (8, 1, 4160, 4097),
     "prefill 1 x 4096": (1, 4096, 4096, 4096),
+    "prefill 1 x 16384": (1, 16384, 16384, 16384),
 }
+LONG_SHAPES = {"prefill 1 x 65536": (1, 65536, 65536, 65536)}
 HEADS, HEAD_DIM, TOPK, POOL = 32, 128, 2048, 4
 
 
-def selection_step(q_idx, head_weights, pool_keys, key_valid, positions, workspace):
+def selection_step(q_idx, head_weights, pool_keys, key_valid, positions, workspace, implementation):
     """The selection and its two consumers in `dsa.dsa_layer_cached`: the last query's row into the
     workspace (where the row was written), and the rows padded for the latent attention."""
     indices = select_tokens.select_tokens(
-        q_idx, head_weights, pool_keys, key_valid, positions, index_topk=TOPK, pool_size=POOL
+        q_idx, head_weights, pool_keys, key_valid, positions, index_topk=TOPK, pool_size=POOL,
+        implementation=implementation,
     )
     rows = jnp.pad(indices[:, -1], [(0, 0), (0, workspace.shape[1] - indices.shape[-1])], constant_values=-1)
     workspace = jnp.where((positions[:, -1] >= 0)[:, None], rows, workspace)
@@ -66,23 +72,30 @@ def fused_computations(text, names):
 def main():
     hlo_dir = sys.argv[sys.argv.index("--hlo") + 1] if "--hlo" in sys.argv else None
     print("devices:", jax.devices())
-    step = jax.jit(selection_step)
-    for shape_name, shape in SHAPES.items():
+    step = jax.jit(selection_step, static_argnames="implementation")
+    shapes = {**SHAPES, **(LONG_SHAPES if "--long" in sys.argv else {})}
+    for shape_name, shape in shapes.items():
         args = inputs(*shape)
-        per_name, launches = trace_kernels(lambda: step(*args), 10)
-        hlo = step.lower(*args).compile().as_text()  # once: for the names and the fused computations
-        sources = fusion_sources(hlo)
-        ranked = sorted(((ms, launches[name], name) for name, ms in per_name.items()), reverse=True)[:8]
-        print(f"\n{shape_name}: GPU {sum(per_name.values()):.4f} ms a call in {sum(launches.values()):.0f} kernels")
-        print("| ms a call | launches | kernel | result, op (HLO) |\n|---|---|---|---|")
-        for ms, n, name in ranked:
-            print(f"| {ms:.4f} | {n:.0f} | {name[:60]} | {sources.get(name, '')} |")
-        if hlo_dir:
-            os.makedirs(hlo_dir, exist_ok=True)
-            bodies = fused_computations(hlo, [name for _, _, name in ranked if name in sources][:4])
-            with open(os.path.join(hlo_dir, f"select_{shape[0]}x{shape[1]}.txt"), "w") as f:
-                for name, body in bodies.items():
-                    f.write(f"==== {name}\n{body}\n\n")
+        selected = {}
+        for impl in ("reference", "pallas"):
+            run = functools.partial(step, *args, implementation=impl)
+            per_name, launches = trace_kernels(run, 5)
+            selected[impl] = run()[1]
+            hlo = step.lower(*args, implementation=impl).compile().as_text()  # for the names and fusions
+            sources = fusion_sources(hlo)
+            ranked = sorted(((ms, launches[name], name) for name, ms in per_name.items()), reverse=True)[:8]
+            differ = int((jnp.sort(selected[impl], -1) != jnp.sort(selected["reference"], -1)).any(-1).sum())
+            print(f"\n{shape_name}, {impl}: GPU {sum(per_name.values()):.4f} ms a call in "
+                  f"{sum(launches.values()):.0f} kernels; {differ} of {shape[0] * shape[1]} rows differ from the reference's")
+            print("| ms a call | launches | kernel | result, op (HLO) |\n|---|---|---|---|")
+            for ms, n, name in ranked:
+                print(f"| {ms:.4f} | {n:.0f} | {name[:60]} | {sources.get(name, '')} |")
+            if hlo_dir:
+                os.makedirs(hlo_dir, exist_ok=True)
+                bodies = fused_computations(hlo, [name for _, _, name in ranked if name in sources][:4])
+                with open(os.path.join(hlo_dir, f"select_{impl}_{shape[0]}x{shape[1]}.txt"), "w") as f:
+                    for name, body in bodies.items():
+                        f.write(f"==== {name}\n{body}\n\n")
 
 
 if __name__ == "__main__":

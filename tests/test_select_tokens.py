@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import select_tokens as st
 from pallas_kernels.select_tokens import pool_scores, select_tokens, visible_key_counts
 
 
@@ -114,3 +115,80 @@ def test_bf16_pool_scores_are_the_exact_products_summed_in_fp32():
         select_tokens(q, w, keys, mask, positions, **kw),
         select_tokens(q.astype(jnp.float32), w, keys.astype(jnp.float32), mask, positions, **kw),
     )
+
+
+def kernel_case(seed, b, t, n_pools, pool, first_query, nh=4, hd=32, holes=False):
+    """bf16 queries at positions first_query .. first_query + t - 1 over n_pools * pool keys, the
+    first key of sequence 1 at 3 (left padding), with some pools invalid when `holes`."""
+    s = n_pools * pool
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (b, t, nh, hd), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (b, t, nh)) * nh**-0.5
+    keys = jax.random.normal(ks[2], (b, n_pools, hd), jnp.bfloat16)
+    mask = jnp.ones((b, s), bool).at[1, :3].set(False)
+    if holes:
+        mask = mask.at[0, 5 * pool + 1].set(False).at[1, s // 2 :].set(False)
+    positions = jnp.broadcast_to(first_query + jnp.arange(t, dtype=jnp.int32), (b, t))
+    return q, w, keys, mask, positions
+
+
+KERNEL_CASES = {  # name: (b, t, n_pools, pool, first query's position, holes)
+    "one query, end of the cache": (2, 1, 37, 4, 147, False),
+    "ragged prefill, one block of pools": (2, 45, 12, 4, 0, True),
+    "two query blocks, the second block of pools unseen": (1, 70, 140, 4, 0, False),
+    "two query blocks over two blocks of pools": (2, 70, 140, 4, 490, True),
+    "pools of 1, 16-query block": (1, 9, 30, 1, 20, False),
+}
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_candidate_scores_kernel_matches_the_reference(name):
+    """The Pallas kernel (Triton, interpreted) against the jnp reference: the same candidates (-inf
+    elsewhere) and the same scores up to the order of fp32 sums, on ragged query and pool blocks."""
+    b, t, n_pools, pool, first_query, holes = KERNEL_CASES[name]
+    q, w, keys, mask, positions = kernel_case(len(name), b, t, n_pools, pool, first_query, holes=holes)
+    pool_valid = st.pool_validity(mask, n_pools, pool)
+    visible = st.visible_pools(st.first_valid_key(mask), positions, pool, n_pools)
+    want = np.asarray(st.candidate_scores_reference(q, w, keys, pool_valid, visible))
+    got = np.asarray(st.candidate_scores_kernel(q, w, keys, pool_valid, visible, interpret=True))
+    assert np.isfinite(want).any() and np.isinf(want).any()
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5 * np.abs(want[finite]).max())
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_selection_through_the_kernel_is_the_references(name):
+    b, t, n_pools, pool, first_query, holes = KERNEL_CASES[name]
+    q, w, keys, mask, positions = kernel_case(len(name) + 1, b, t, n_pools, pool, first_query, holes=holes)
+    kw = dict(index_topk=8 * pool, pool_size=pool)
+    want = st.select_tokens(q, w, keys, mask, positions, implementation="reference", **kw)
+    got = st.select_tokens(q, w, keys, mask, positions, implementation="pallas", interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert (np.asarray(want) >= 0).any()
+
+
+def test_the_kernel_refuses_what_it_cannot_take():
+    q, w, keys, mask, positions = kernel_case(0, 1, 8, 4, 4, 0)
+    kw = dict(index_topk=8, pool_size=4, implementation="pallas", interpret=True)
+    with pytest.raises(ValueError, match="must be bf16"):
+        st.select_tokens(q.astype(jnp.float32), w, keys, mask, positions, **kw)
+    with pytest.raises(ValueError, match="index head dim"):
+        st.select_tokens(q[..., :24], w, keys[..., :24], mask, positions, **kw)
+    with pytest.raises(ValueError, match="implementation"):
+        st.select_tokens(q, w, keys, mask, positions, index_topk=8, pool_size=4, implementation="triton")
+
+
+def test_kernel_lowers_for_the_gpu_at_the_model_shapes():
+    """Through Triton's lowering for an H200 (the interpreter does not check it): the wider config's
+    indexer (32 heads of 128, pools of 4) in a decode step and a 4096-token prefill."""
+    from pallas_kernels.kda_chain import lower_for_h200
+
+    sds = jax.ShapeDtypeStruct
+    for b, t, s in [(8, 1, 4160), (1, 4096, 4096)]:
+        text = lower_for_h200(
+            lambda q, w, k, m, p: select_tokens(q, w, k, m, p, index_topk=2048, pool_size=4, implementation="pallas"),
+            sds((b, t, 32, 128), jnp.bfloat16), sds((b, t, 32), jnp.float32), sds((b, s // 4, 128), jnp.bfloat16),
+            sds((b, s), jnp.bool_), sds((b, t), jnp.int32),
+        ).as_text()
+        assert text.count("xla.gpu.triton") == 1

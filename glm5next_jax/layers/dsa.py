@@ -77,8 +77,9 @@ def attend_selected(p, q_resid, latents, indices, config, implementation, **page
     )
 
 
-def indexer_select(p, h, q_resid, key_valid, config):
-    """The indexer over a whole sequence: selected key indices [B, T, W] (-1 padded) per query."""
+def indexer_select(p, h, q_resid, key_valid, config, implementation=None):
+    """The indexer over a whole sequence: selected key indices [B, T, W] (-1 padded) per query;
+    `implementation` picks the candidates' scores (as in `select_tokens`)."""
     b, t = h.shape[:2]
     k_idx, gate = indexer_keys(p, h)
     return select_tokens(
@@ -90,6 +91,7 @@ def indexer_select(p, h, q_resid, key_valid, config):
         index_topk=config.index_topk,
         pool_size=config.index_kpool,
         select_tail=config.index_kpool_always_select_tail,
+        implementation=implementation,
     )
 
 
@@ -97,13 +99,14 @@ def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None)
     """Uncached DSA sublayer. h [B, T, D]; key_valid [B, T] bool (the padding mask).
 
     A "full" layer (p has an indexer) selects its tokens; a "shared" layer takes `shared_indices`
-    from the preceding full layer. `implementation` picks the latent attention (as in `forward`).
+    from the preceding full layer. `implementation` picks the kernels of the token selection and of
+    the latent attention (as in `forward`).
     Returns (y [B, T, D], selected indices [B, T, W]).
     """
     q_resid = rms_norm(linear(h, p["q_a_proj"]), p["q_a_norm"], config.rms_norm_eps)
     latents = rms_norm(linear(h, p["kv_a_proj"]), p["kv_a_norm"], config.rms_norm_eps)
     if "indexer" in p:
-        indices = indexer_select(p["indexer"], h, q_resid, key_valid, config)
+        indices = indexer_select(p["indexer"], h, q_resid, key_valid, config, implementation)
     elif shared_indices is None:
         raise ValueError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
     else:
@@ -158,6 +161,7 @@ def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared
             index_topk=config.index_topk,
             pool_size=config.index_kpool,
             select_tail=config.index_kpool_always_select_tail,
+            implementation=implementation,
         )
         last = jnp.clip(end - start - 1, 0, t - 1)
         rows = jnp.take_along_axis(indices, last[:, None, None], axis=1)[:, 0]
