@@ -132,12 +132,13 @@ def kernel_case(seed, b, t, n_pools, pool, first_query, nh=4, hd=32, holes=False
     return q, w, keys, mask, positions
 
 
-KERNEL_CASES = {  # name: (b, t, n_pools, pool, first query's position, holes)
-    "one query, end of the cache": (2, 1, 37, 4, 147, False),
-    "ragged prefill, one block of pools": (2, 45, 12, 4, 0, True),
-    "two query blocks, the second block of pools unseen": (1, 70, 140, 4, 0, False),
-    "two query blocks over two blocks of pools": (2, 70, 140, 4, 490, True),
-    "pools of 1, 16-query block": (1, 9, 30, 1, 20, False),
+KERNEL_CASES = {  # name: (b, t, n_pools, pool, first query's position, holes, heads)
+    "one query at the end of the cache, heads as rows": (2, 1, 37, 4, 147, False, 4),
+    "9 queries, 6 heads as rows padded to 16": (2, 9, 70, 4, 270, True, 6),
+    "ragged prefill, one block of pools": (2, 45, 12, 4, 0, True, 4),
+    "two query blocks, the second block of pools unseen": (1, 70, 140, 4, 0, False, 4),
+    "two query blocks over two blocks of pools": (2, 70, 140, 4, 490, True, 4),
+    "pools of 1, a 32-query block": (1, 20, 30, 1, 10, False, 3),
 }
 
 
@@ -145,8 +146,8 @@ KERNEL_CASES = {  # name: (b, t, n_pools, pool, first query's position, holes)
 def test_candidate_scores_kernel_matches_the_reference(name):
     """The Pallas kernel (Triton, interpreted) against the jnp reference: the same candidates (-inf
     elsewhere) and the same scores up to the order of fp32 sums, on ragged query and pool blocks."""
-    b, t, n_pools, pool, first_query, holes = KERNEL_CASES[name]
-    q, w, keys, mask, positions = kernel_case(len(name), b, t, n_pools, pool, first_query, holes=holes)
+    b, t, n_pools, pool, first_query, holes, nh = KERNEL_CASES[name]
+    q, w, keys, mask, positions = kernel_case(len(name), b, t, n_pools, pool, first_query, nh=nh, holes=holes)
     pool_valid = st.pool_validity(mask, n_pools, pool)
     visible = st.visible_pools(st.first_valid_key(mask), positions, pool, n_pools)
     want = np.asarray(st.candidate_scores_reference(q, w, keys, pool_valid, visible))
@@ -159,8 +160,8 @@ def test_candidate_scores_kernel_matches_the_reference(name):
 
 @pytest.mark.parametrize("name", KERNEL_CASES)
 def test_selection_through_the_kernel_is_the_references(name):
-    b, t, n_pools, pool, first_query, holes = KERNEL_CASES[name]
-    q, w, keys, mask, positions = kernel_case(len(name) + 1, b, t, n_pools, pool, first_query, holes=holes)
+    b, t, n_pools, pool, first_query, holes, nh = KERNEL_CASES[name]
+    q, w, keys, mask, positions = kernel_case(len(name) + 1, b, t, n_pools, pool, first_query, nh=nh, holes=holes)
     kw = dict(index_topk=8 * pool, pool_size=pool)
     want = st.select_tokens(q, w, keys, mask, positions, implementation="reference", **kw)
     got = st.select_tokens(q, w, keys, mask, positions, implementation="pallas", interpret=True, **kw)
