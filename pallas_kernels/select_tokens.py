@@ -14,7 +14,10 @@ implementations behind `select_tokens`:
 - a Pallas kernel (Triton backend, GPU, bf16 queries and pool keys): one program per (block of
   queries, block of pools) sums the heads' relu'd products in registers, so only the [T, n_pools]
   scores reach HBM, and a block of pools that no query of the block sees yet is not multiplied.
-Either way the ranking (XLA's top-k) sees the same scores, up to the order of fp32 sums.
+The ranking likewise: XLA's top-k (`top_pools_reference`, a sort of each whole row on the GPU), or
+with the kernels a Pallas kernel that finds each row's k-th best score bit by bit and keeps what
+reaches it (`top_pools_kernel`: the same set, ties to the lower index as XLA's, in the row's order).
+The scores agree up to the order of fp32 sums, so a near-tie at the k-th place may rank otherwise.
 """
 
 import functools
@@ -37,6 +40,7 @@ BLOCK_POOLS = 128  # pools a kernel program scores
 MAX_BLOCK_QUERIES = 64  # queries a kernel program scores (fewer, down to 16, for shorter blocks)
 MIN_BLOCK_QUERIES = 16  # fewer queries: one query a program, its heads as the product's rows
 FEW_QUERIES_BLOCK_POOLS = 64  # then more programs, each with less to do (decode's grid is small)
+MAX_TOP_POOLS = 32768  # the top-k kernel's widest row (a row is in registers); wider rows: XLA's top-k
 
 
 def first_valid_key(key_valid):
@@ -170,7 +174,58 @@ def candidate_scores_kernel(q_idx, head_weights, pool_keys, pool_valid, visible,
     return scores[:, :t, :n_pools]
 
 
-def _rank_pools(candidate_scores, q_idx, head_weights, pool_keys, key_valid, query_positions, n_select, pool_size, block):
+def top_pools_reference(scores, k):
+    """The k best of each row of scores [B, T, n] (XLA's top-k: best first, ties to the lower index):
+    (indices [B, T, k] int32, whether each is a candidate: a score above -inf)."""
+    best, chosen = jax.lax.top_k(scores, k)
+    return chosen, best > -jnp.inf
+
+
+def _top_pools_kernel(scores_ref, chosen_ref, valid_ref, *, k):
+    """One row: the k-th best score found bit by bit (the largest threshold that at least k scores
+    reach, on integer keys that order as the floats do), then every score above it and the first
+    of those equal to it, written in the row's order by their running count."""
+    t, b = pl.program_id(0), pl.program_id(1)
+    x = scores_ref[b, t, :]
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: the magnitude bits flipped
+
+    def next_bit(i, threshold):  # from the sign bit down; the sign bit's flip is int32's minimum
+        candidate = threshold ^ jnp.left_shift(jnp.int32(1), 31 - i)
+        return jnp.where(jnp.sum((key >= candidate).astype(jnp.int32)) >= k, candidate, threshold)
+
+    threshold = lax.fori_loop(0, 32, next_bit, jnp.int32(-(2**31)))
+    above = key > threshold
+    equal = (key == threshold).astype(jnp.int32)
+    chosen = above | ((equal == 1) & (jnp.cumsum(equal) - equal < k - jnp.sum(above.astype(jnp.int32))))
+    index = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    before = jnp.cumsum(chosen.astype(jnp.int32)) - chosen.astype(jnp.int32)
+    # Exactly k are chosen: they go to slots 0..k-1; the rest to k.. in order, so that no two lanes
+    # share a slot (the interpreter writes masked lanes too); the caller keeps the first k.
+    slot = jnp.where(chosen, before, k + index - before)
+    pltriton.store(chosen_ref.at[b, t, slot], index, mask=chosen)
+    pltriton.store(valid_ref.at[b, t, slot], (x > -jnp.inf).astype(jnp.int32), mask=chosen)
+
+
+def top_pools_kernel(scores, k, *, interpret=False):
+    """`top_pools_reference`'s set of indices in one Pallas (Triton) launch, a program a row, in the
+    row's order rather than best first; rows of up to MAX_TOP_POOLS scores (padded to a power of two).
+    XLA sorts each whole row (on the H200, 73 of 88 ms of the selection at 65536 tokens)."""
+    b, t, n = scores.shape
+    width = 1 << (n - 1).bit_length()
+    scores = jnp.pad(scores, [(0, 0), (0, 0), (0, width - n)], constant_values=-jnp.inf)
+    chosen, valid = pl.pallas_call(
+        functools.partial(_top_pools_kernel, k=k),
+        out_shape=(jax.ShapeDtypeStruct((b, t, width), jnp.int32),) * 2,
+        grid=(t, b),
+        compiler_params=pltriton.CompilerParams(num_warps=min(16, max(4, width // 1024))),
+        interpret=interpret,
+        name="top_pools",
+    )(scores)
+    return chosen[..., :k], valid[..., :k] == 1
+
+
+def _rank_pools(scores_fn, top_fn, q_idx, head_weights, pool_keys, key_valid, query_positions, n_select, pool_size, block):
     """The n_select best candidate pools of each query [B, T, n_select], and which of them are
     candidates (a query with fewer keeps some that are not: their scores are -inf), ranked `block`
     queries at a time."""
@@ -180,13 +235,12 @@ def _rank_pools(candidate_scores, q_idx, head_weights, pool_keys, key_valid, que
 
     def rank(xs):
         q, w, seen = xs
-        best, chosen = jax.lax.top_k(candidate_scores(q, w, pool_keys, pool_valid, seen), n_select)
-        return chosen, best > -jnp.inf
+        return top_fn(scores_fn(q, w, pool_keys, pool_valid, seen), n_select)
 
     return map_query_blocks(rank, (q_idx, head_weights, visible), (0, 0, 0), block)
 
 
-def _select(candidate_scores, block, q_idx, head_weights, pool_keys, key_valid, query_positions, *, index_topk, pool_size, select_tail):
+def _select(scores_fn, top_fn, block, q_idx, head_weights, pool_keys, key_valid, query_positions, *, index_topk, pool_size, select_tail):
     b, t = q_idx.shape[:2]
     s = key_valid.shape[-1]
     n_pools = pool_keys.shape[1]
@@ -197,7 +251,7 @@ def _select(candidate_scores, block, q_idx, head_weights, pool_keys, key_valid, 
     n_select = min(index_topk // pool_size, n_pools)
     if n_select > 0:
         chosen, chosen_valid = _rank_pools(
-            candidate_scores, q_idx, head_weights, pool_keys, key_valid, query_positions, n_select, pool_size, block
+            scores_fn, top_fn, q_idx, head_weights, pool_keys, key_valid, query_positions, n_select, pool_size, block
         )
         tokens = first_key[:, None, None, None] + chosen[..., None] * pool_size + jnp.arange(pool_size)
         tokens = jnp.where(chosen_valid[..., None], tokens, -1)
@@ -231,7 +285,7 @@ def select_tokens_reference(
     keys rather than a [T, S] mask (padding is a prefix or a suffix, so a pool whose keys are all
     valid is visible once its last key is)."""
     return _select(
-        candidate_scores_reference, QUERY_BLOCK, q_idx, head_weights, pool_keys, key_valid, query_positions,
+        candidate_scores_reference, top_pools_reference, QUERY_BLOCK, q_idx, head_weights, pool_keys, key_valid, query_positions,
         index_topk=index_topk, pool_size=pool_size, select_tail=select_tail,
     )
 
@@ -270,4 +324,6 @@ def select_tokens(
         return select_tokens_reference(q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)
     block = max(QUERY_BLOCK, KERNEL_BLOCK_SCORES // max(pool_keys.shape[1], 1) // QUERY_BLOCK * QUERY_BLOCK)
     scores = functools.partial(candidate_scores_kernel, interpret=interpret)
-    return _select(scores, block, q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)
+    fits = 1 << (pool_keys.shape[1] - 1).bit_length() <= MAX_TOP_POOLS
+    top = functools.partial(top_pools_kernel, interpret=interpret) if fits else top_pools_reference
+    return _select(scores, top, block, q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)
