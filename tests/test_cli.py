@@ -57,3 +57,17 @@ def test_bad_input_is_a_clear_error():
     result = subprocess.run([sys.executable, "-m", "glm5next_jax", "generate", "--ids", "5 99999"], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 2 and "input_ids must lie in [0, 512)" in result.stderr
+
+
+def test_generate_keeps_its_compiled_programs_for_the_next_run(tmp_path):
+    """--compilation-cache: the first run writes the prefill's and the decode step's programs, the
+    second loads them and generates the same tokens; "none" writes nothing."""
+    cache = tmp_path / "xla"
+    args = ("generate", "--ids", "5 17 301", "--max-new-tokens", "4")
+    first, _ = cli(*args, "--compilation-cache", str(cache))
+    written = {p.name.split("-")[0] for p in cache.iterdir()}  # programs that took over a second to compile
+    assert {"jit__decode", "jit__prefill"} <= written, written
+    second, _ = cli(*args, "--compilation-cache", str(cache))
+    assert second == first
+    uncached, _ = cli(*args, "--compilation-cache", "none")
+    assert uncached == first
