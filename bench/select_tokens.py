@@ -8,6 +8,9 @@ the rows whose selection differs from the reference's, and the costliest kernels
 and op; with --hlo DIR, writes those kernels' fused computations there.
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/select_tokens.py [--long] [--hlo DIR]
+
+With --blocks "64x128,32x128,..." it times the candidates' scores kernel alone over those (queries x
+pools) program blocks at the prefill shapes instead, each checked against the default block's scores.
 """
 
 import functools
@@ -69,7 +72,37 @@ def fused_computations(text, names):
     return {name: blocks.get(called.get(name, ""), "") for name in names}
 
 
+def time_score_blocks(blocks):
+    """The scores kernel's GPU ms a call per (queries x pools) program block, at the prefill shapes."""
+    default = (select_tokens.MAX_BLOCK_QUERIES, select_tokens.BLOCK_POOLS)
+    print("\n| shape | queries x pools a program | scores kernel ms | max |d| vs the default block's |\n|---|---|---|---|")
+    for shape_name, shape in SHAPES.items():
+        if shape[1] < select_tokens.MIN_BLOCK_QUERIES:
+            continue
+        q_idx, head_weights, pool_keys, key_valid, positions, _ = inputs(*shape)
+        pool_valid = select_tokens.pool_validity(key_valid, pool_keys.shape[1], POOL)
+        visible = select_tokens.visible_pools(select_tokens.first_valid_key(key_valid), positions, POOL, pool_keys.shape[1])
+        want = None
+        for block in [default] + [b for b in blocks if b != default]:
+            select_tokens.MAX_BLOCK_QUERIES, select_tokens.BLOCK_POOLS = block
+            jax.clear_caches()  # the module's block sizes are read when the kernel is traced
+            scores = jax.jit(select_tokens.candidate_scores_kernel)
+            run = functools.partial(scores, q_idx, head_weights, pool_keys, pool_valid, visible)
+            per_name, _ = trace_kernels(run, 5)
+            got = run()
+            want = got if want is None else want
+            finite = jnp.isfinite(want)
+            err = float(jnp.max(jnp.where(finite, jnp.abs(got - want), 0.0)))
+            same_mask = bool((jnp.isfinite(got) == finite).all())
+            print(f"| {shape_name} | {block[0]} x {block[1]} | {per_name.get('candidate_pool_scores', float('nan')):.4f} | "
+                  f"{err:.2e}{'' if same_mask else ', candidates differ'} |", flush=True)
+    select_tokens.MAX_BLOCK_QUERIES, select_tokens.BLOCK_POOLS = default
+
+
 def main():
+    if "--blocks" in sys.argv:
+        blocks = [tuple(map(int, b.split("x"))) for b in sys.argv[sys.argv.index("--blocks") + 1].split(",")]
+        return time_score_blocks(blocks)
     hlo_dir = sys.argv[sys.argv.index("--hlo") + 1] if "--hlo" in sys.argv else None
     print("devices:", jax.devices())
     step = jax.jit(selection_step, static_argnames="implementation")
