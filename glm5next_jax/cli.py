@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import sys
 import time
 
 import numpy as np
 
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "glm5next-tiny")
-# JAX's own variable, when set, else the user's cache folder.
+# JAX's own variable, when set, else the user's cache folder, one per host: XLA:CPU programs are
+# built for the host's CPU features, and a home folder may be shared by machines that differ.
 DEFAULT_COMPILATION_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "glm5next-jax", "xla"
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "glm5next-jax", "xla",
+    platform.node() or "host",
 )
 
 
