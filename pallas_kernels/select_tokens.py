@@ -150,9 +150,9 @@ def candidate_scores_kernel(q_idx, head_weights, pool_keys, pool_valid, visible,
     b, t, nh, hd = q_idx.shape
     n_pools = pool_keys.shape[1]
     few = t < MIN_BLOCK_QUERIES
-    block_q = 1 if few else min(MAX_BLOCK_QUERIES, 1 << (t - 1).bit_length())
+    block_q = 1 if few else min(MAX_BLOCK_QUERIES, pl.next_power_of_2(t))
     block_p = FEW_QUERIES_BLOCK_POOLS if few else BLOCK_POOLS
-    heads = max(16, 1 << (nh - 1).bit_length()) if few else nh  # a product's rows: a power of two >= 16
+    heads = max(16, pl.next_power_of_2(nh)) if few else nh  # a product's rows: a power of two >= 16
     pad_t, pad_p = -t % block_q, -n_pools % block_p
     q = jnp.pad(q_idx, [(0, 0), (0, pad_t), (0, heads - nh), (0, 0)])
     w = jnp.pad(head_weights.astype(jnp.float32), [(0, 0), (0, pad_t), (0, heads - nh)])
@@ -212,7 +212,7 @@ def top_pools_kernel(scores, k, *, interpret=False):
     row's order rather than best first; rows of up to MAX_TOP_POOLS scores (padded to a power of two).
     XLA sorts each whole row (on the H200, 73 of 88 ms of the selection at 65536 tokens)."""
     b, t, n = scores.shape
-    width = 1 << (n - 1).bit_length()
+    width = pl.next_power_of_2(n)
     scores = jnp.pad(scores, [(0, 0), (0, 0), (0, width - n)], constant_values=-jnp.inf)
     chosen, valid = pl.pallas_call(
         functools.partial(_top_pools_kernel, k=k),
@@ -302,9 +302,10 @@ def select_tokens(
     q_idx, head_weights, pool_keys, key_valid, query_positions, *, index_topk, pool_size, select_tail=True,
     implementation=None, interpret=False,
 ):
-    """The arguments and result as `select_tokens_reference`'s. `implementation`: None (the candidates'
-    scores through the kernel on GPU for bf16 q_idx and pool keys, else the reference), "reference"
-    or "pallas"; `interpret` runs the kernel in Pallas' interpreter."""
+    """The arguments and result as `select_tokens_reference`'s (with the kernels, each row's pools in
+    their order rather than best first). `implementation`: None (the scores and top-k kernels on GPU
+    for bf16 q_idx and pool keys, else the reference), "reference" or "pallas"; `interpret` runs the
+    kernels in Pallas' interpreter."""
     b, t, nh, hd = q_idx.shape
     s = key_valid.shape[-1] if key_valid.ndim == 2 else None
     if head_weights.shape != (b, t, nh):
@@ -324,6 +325,6 @@ def select_tokens(
         return select_tokens_reference(q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)
     block = max(QUERY_BLOCK, KERNEL_BLOCK_SCORES // max(pool_keys.shape[1], 1) // QUERY_BLOCK * QUERY_BLOCK)
     scores = functools.partial(candidate_scores_kernel, interpret=interpret)
-    fits = 1 << (pool_keys.shape[1] - 1).bit_length() <= MAX_TOP_POOLS
+    fits = pl.next_power_of_2(pool_keys.shape[1]) <= MAX_TOP_POOLS
     top = functools.partial(top_pools_kernel, interpret=interpret) if fits else top_pools_reference
     return _select(scores, top, block, q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)

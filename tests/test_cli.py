@@ -61,7 +61,7 @@ def test_bad_input_is_a_clear_error():
 
 def test_generate_keeps_its_compiled_programs_for_the_next_run(tmp_path):
     """--compilation-cache: the first run writes the prefill's and the decode step's programs, the
-    second loads them and generates the same tokens; "none" writes nothing."""
+    second loads them and generates the same tokens, as does a run with "none" (no cache)."""
     cache = tmp_path / "xla"
     args = ("generate", "--ids", "5 17 301", "--max-new-tokens", "4")
     first, _ = cli(*args, "--compilation-cache", str(cache))

@@ -79,7 +79,7 @@ def attend_selected(p, q_resid, latents, indices, config, implementation, **page
 
 def indexer_select(p, h, q_resid, key_valid, config, implementation=None):
     """The indexer over a whole sequence: selected key indices [B, T, W] (-1 padded) per query;
-    `implementation` picks the candidates' scores (as in `select_tokens`)."""
+    `implementation` picks the selection's kernels (as in `select_tokens`)."""
     b, t = h.shape[:2]
     k_idx, gate = indexer_keys(p, h)
     return select_tokens(
