@@ -36,7 +36,9 @@ QUERY_BLOCK = 256  # queries scored and ranked together by the reference
 # With the kernel, queries ranked together: as many as keep a block's fp32 scores within 64 MB.
 KERNEL_BLOCK_SCORES = 1 << 24
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
-BLOCK_POOLS = 128  # pools a kernel program scores
+# Pools a kernel program scores: on the H200 64 took the scores 0.091 -> 0.069 ms at 4096 tokens and
+# 0.729 -> 0.710 at 16384 against 128 (32 queries, or 16, were slower; bench/RESULTS.md).
+BLOCK_POOLS = 64
 MAX_BLOCK_QUERIES = 64  # queries a kernel program scores (fewer, down to 16, for shorter blocks)
 MIN_BLOCK_QUERIES = 16  # fewer queries: one query a program, its heads as the product's rows
 FEW_QUERIES_BLOCK_POOLS = 64  # then more programs, each with less to do (decode's grid is small)

@@ -1,7 +1,8 @@
 """The MoE's grouped GEMM: the expert-tiled row layout against a plain numpy construction, the kernel
 (Pallas' interpreter on the CPU) and the reference against fp32 numpy products per expert, the MoE
-layer through the kernel against the layer through the reference, the kernel lowered for the H200,
-and the argument checks."""
+layer through the kernel against the layer through the reference, the combine of the experts'
+rows against the reference's `index_add_` loop in numpy, the kernel lowered for the H200, and the
+argument checks."""
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,33 @@ def test_moe_layer_through_the_kernel_matches_the_reference(tokens):
     want = mlp.moe(p, x, config, implementation="reference")
     assert got.shape == x.shape and got.dtype == x.dtype
     assert relative_error(got, want) < TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_combine_adds_the_experts_as_the_reference_does(dtype):
+    """transformers' loop: for each expert in ascending order, final[tokens] += (row * weight) cast to
+    the activations' dtype, rounding after every add. fp32: bit for bit (the order is checked: the
+    same sums in the order of the routing's choices differ in the last bits)."""
+    rng = np.random.default_rng(0)
+    tokens, k, experts, d = 50, 6, 16, 64
+    chosen = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)  # by score, not index
+    weights = rng.uniform(0.1, 2.0, (tokens, k)).astype(np.float32)
+    slots = rng.permutation(tokens * k + 30)[: tokens * k].reshape(tokens, k).astype(np.int32)
+    rows = (rng.standard_normal((tokens * k + 30, d)) * np.exp(rng.uniform(-3, 3, (tokens * k + 30, 1)))).astype(dtype)
+
+    want = np.zeros((tokens, d), dtype)
+    for expert in range(experts):
+        token, choice = np.nonzero(chosen == expert)
+        product = rows[slots[token, choice]].astype(np.float32) * weights[token, choice, None]
+        want[token] = (want[token].astype(np.float32) + product.astype(dtype).astype(np.float32)).astype(dtype)
+    got = np.asarray(mlp.combine(jnp.asarray(rows), jnp.asarray(slots), jnp.asarray(chosen), jnp.asarray(weights), dtype))
+    assert got.dtype == want.dtype
+    if dtype == np.float32:
+        np.testing.assert_array_equal(got, want)
+        in_choice_order = sum((rows[slots[:, j]] * weights[:, j, None]).astype(np.float32) for j in range(k))
+        assert np.any(in_choice_order != want)
+    else:  # XLA may keep a bf16 sum's intermediates in fp32 (excess precision): one rounding apart
+        assert relative_error(got, want) < 2 * 2.0**-8
 
 
 @pytest.mark.parametrize("rows, block_rows", [(65536, 128), (64, 64)])

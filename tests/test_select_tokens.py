@@ -137,7 +137,7 @@ KERNEL_CASES = {  # name: (b, t, n_pools, pool, first query's position, holes, h
     "9 queries, 6 heads as rows padded to 16": (2, 9, 70, 4, 270, True, 6),
     "ragged prefill, one block of pools": (2, 45, 12, 4, 0, True, 4),
     "two query blocks, the second block of pools unseen": (1, 70, 140, 4, 0, False, 4),
-    "two query blocks over two blocks of pools": (2, 70, 140, 4, 490, True, 4),
+    "two query blocks over three blocks of pools": (2, 70, 140, 4, 490, True, 4),
     "pools of 1, a 32-query block": (1, 20, 30, 1, 10, False, 3),
 }
 

@@ -50,5 +50,9 @@ def collapse(pre, streams):
 def expand(post, comb, y, streams):
     """X'_j = post_j * y + sum_i comb[i, j] * X_i, in the streams' dtype."""
     dtype = streams.dtype
-    mixed = jnp.einsum("...ij,...id->...jd", comb.astype(dtype), streams, precision=PRECISION)
+    # Four products a channel summed in fp32, as a dot with fp32 accumulation would; written out, XLA
+    # fuses it into one pass over the streams (as a dot, on the H200 a GEMM fusion at 3x the streams'
+    # memory time: 0.38 ms a call at 16384 tokens, hidden 2048).
+    weights = comb.astype(dtype).astype(jnp.float32)[..., None]  # [..., i, j, 1]
+    mixed = jnp.sum(weights * streams.astype(jnp.float32)[..., :, None, :], axis=-3).astype(dtype)
     return post.astype(dtype)[..., None] * y[..., None, :] + mixed
