@@ -92,6 +92,18 @@ def test_hyper_connection_mapping(goldens):
     np.testing.assert_allclose(np.asarray(comb).sum(-2), 1.0, atol=1e-3)
 
 
+def test_hyper_connection_bf16_streams_are_mapped_as_in_fp32(goldens):
+    """bf16 streams take the projection as (streams @ fn's three bf16 pieces) / rms: the fp32 path's
+    numbers, on the same values, up to the order of fp32 roundings (a bf16 fn would be off by ~4e-3)."""
+    data, config = layer(goldens, "hc")
+    p = params_of(data, lambda r: read_hc(r, "", "attn", config))
+    streams = jnp.asarray(data["streams"], BF16)
+    fp32 = hyper.mapping(p, streams.astype(jnp.float32), config)
+    for name, got, want in zip(("pre", "post", "comb"), hyper.mapping(p, streams, config), fp32):
+        assert got.dtype == jnp.float32
+        assert relative_error(got, want) < 2e-6, name
+
+
 def test_hyper_connection_sinkhorn_is_unrolled_off_the_cpu(goldens):
     """On the GPU a rolled loop is a while loop with a host round trip per iteration (bench/RESULTS.md,
     twenty-fifth session: 152 a decode step); lowered for CUDA the mapping has none, for the CPU one."""

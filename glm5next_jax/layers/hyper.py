@@ -17,9 +17,7 @@ def mapping(p, streams, config):
     after the Sinkhorn iterations: rows index the input stream, columns the output stream.
     """
     n, eps = config.hc_mult, config.hc_eps
-    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
-    flat = unweighted_rms_norm(flat, config.rms_norm_eps)
-    mixed = jnp.einsum("...i,io->...o", flat, p["fn"].astype(jnp.float32), precision=PRECISION)
+    mixed = _normed_projection(streams.reshape(*streams.shape[:-2], -1), p["fn"].astype(jnp.float32), config.rms_norm_eps)
     base = p["base"].astype(jnp.float32)
     scale = p["scale"].astype(jnp.float32)
     pre = jax.nn.sigmoid(mixed[..., :n] * scale[0] + base[:n]) + eps
@@ -40,6 +38,25 @@ def mapping(p, streams, config):
     # the unrolled iterations. On the CPU the loop is free and unrolling doubles the compile time.
     comb = jax.lax.platform_dependent(comb, cpu=lambda c: sinkhorn(c, False), default=lambda c: sinkhorn(c, True))
     return pre, post, comb
+
+
+def _normed_projection(flat, fn, eps):
+    """unweighted_rms_norm(flat in fp32) @ fn, fp32. For bf16 streams as (flat @ fn) / rms: fn as three
+    bf16 pieces that sum to it exactly, so that each product is exact and only the fp32 sums round
+    (what an fp32 product of the normed rows gives, up to the order of roundings), without the
+    normed rows written out in fp32 for a HIGHEST product (on the H200 at 16384 tokens, hidden 2048,
+    that pair took 0.43 ms a call: 8x the bf16 streams' read)."""
+    if flat.dtype != jnp.bfloat16:
+        return jnp.einsum("...i,io->...o", unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, precision=PRECISION)
+    pieces, rest = [], fn
+    for _ in range(3):  # 8 significant bits each, fp32's 24 in all
+        pieces.append(rest.astype(jnp.bfloat16))
+        rest = rest - pieces[-1].astype(jnp.float32)
+    parts = jnp.einsum("...i,io->...o", flat, jnp.concatenate(pieces, axis=-1), preferred_element_type=jnp.float32)
+    n = fn.shape[-1]
+    x32 = flat.astype(jnp.float32)
+    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (parts[..., :n] + parts[..., n : 2 * n] + parts[..., 2 * n :]) * inverse_rms
 
 
 def collapse(pre, streams):
