@@ -1,6 +1,6 @@
 """The whole model on the GPU: parity with transformers' goldens and end-to-end timings.
 
-    python3 bench/model_gpu.py [GOLDENS_DIR]           # 1. (with GOLDENS_DIR) and 2.
+    python3 bench/model_gpu.py [GOLDENS_DIR] [--mlps dense,moe]   # 1. (with GOLDENS_DIR) and 2.
     python3 bench/model_gpu.py --long 16384,32768     # 3. alone
     python3 bench/model_gpu.py --decode-profile        # 4. alone
     python3 bench/model_gpu.py --long-profile 16384    # 5. alone
@@ -95,16 +95,17 @@ def prefilled_cache(params, config):
 
 def timings(mlps):
     """Rows (workload, kernels, ms, max|d|/max|ref|, top-1 agreement) against the references, for
-    `wider_config(mlps)`."""
+    `wider_config(mlps)`, yielded as each is measured (a device call's time limit may cut the rest:
+    the reference forward alone compiles for minutes)."""
     config = wider_config(mlps)
     params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
     ids = jax.random.randint(jax.random.key(1), (1, 4096), 2, config.vocab_size)
-    rows, logits = [], {}
+    logits = {}
     for impl in ("reference", None):
         ms = median_ms(lambda: glm5next_jax.forward(params, config, ids, implementation=impl), reps=5)
         logits[impl] = glm5next_jax.forward(params, config, ids, implementation=impl)
-        rows.append((f"{mlps}: forward 1x4096 bf16", impl or "auto (pallas)", ms, rel(logits[impl], logits["reference"]),
-                     agreement(logits[impl], logits["reference"])))
+        yield (f"{mlps}: forward 1x4096 bf16", impl or "auto (pallas)", ms, rel(logits[impl], logits["reference"]),
+               agreement(logits[impl], logits["reference"]))
     cache, tokens = prefilled_cache(params, config)
     for impl in ("reference", None):
         # The first step from the prefilled cache gives the logits compared; the timed steps go on.
@@ -115,9 +116,8 @@ def timings(mlps):
             out, state["cache"] = glm5next_jax.decode_step(params, config, tokens, state["cache"], implementation=impl)
             return out
 
-        rows.append((f"{mlps}: decode step, batch 8, 4096 cached", impl or "auto (pallas)", median_ms(step),
-                     rel(logits[impl], logits["reference"]), agreement(logits[impl], logits["reference"])))
-    return rows
+        yield (f"{mlps}: decode step, batch 8, 4096 cached", impl or "auto (pallas)", median_ms(step),
+               rel(logits[impl], logits["reference"]), agreement(logits[impl], logits["reference"]))
 
 
 def long_forward(tokens):
@@ -261,8 +261,13 @@ def main():
             ms, finite = long_forward(tokens)
             print(f"| T = {tokens} | {ms:.1f} | {tokens / ms * 1e3:.0f} | {finite} |", flush=True)
         return
-    if len(sys.argv) > 1:  # without GOLDENS_DIR: the timings (2.) alone
-        rows, same = parity(sys.argv[1])
+    mlps_configs = ("dense", "moe")
+    args = sys.argv[1:]
+    if "--mlps" in args:  # --mlps moe: that config's timings alone
+        at = args.index("--mlps")
+        mlps_configs, args = tuple(args[at + 1].split(",")), args[:at] + args[at + 2 :]
+    if args:  # without GOLDENS_DIR: the timings (2.) alone
+        rows, same = parity(args[0])
         print("\n| case | kernels | max|d|/max|ref| vs transformers fp32 |")
         print("|---|---|---|")
         for case, impl, err in rows:
@@ -270,7 +275,7 @@ def main():
         print(f"\ngreedy generation, 2 x 32 tokens: {same}/64 identical to transformers' cached generation")
     print("\n| workload | kernels | median ms | logits max|d|/max|ref| vs the references | top-1 agreement |")
     print("|---|---|---|---|---|")
-    for mlps in ("dense", "moe"):
+    for mlps in mlps_configs:
         for name, impl, ms, err, same in timings(mlps):
             print(f"| {name} | {impl} | {ms:.2f} | {err:.2e} | {same:.4f} |", flush=True)
 
