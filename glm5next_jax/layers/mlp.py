@@ -90,9 +90,9 @@ def moe(p, x, config, implementation=None, interpret=False):
     hidden = run(tokens[token_of_slot], gate_up)
     hidden = clamped_swiglu(hidden.reshape(hidden.shape[0], 2, -1), config.swiglu_limit)
     down = run(hidden, p["experts_down"])
-    routed = combine(down, jnp.zeros_like(flat_experts).at[order].set(tiles.slots).reshape(experts.shape), experts,
-                     weights, x.dtype)
-    out = routed.reshape(shape)
+    # Where each token's choices came out in the tiled layout: the sort's inverse, through the slots.
+    slot_of_choice = jnp.zeros_like(flat_experts).at[order].set(tiles.slots).reshape(experts.shape)
+    out = combine(down, slot_of_choice, experts, weights, x.dtype).reshape(shape)
     if "shared" in p:
         out = out + dense_mlp(p["shared"], x, config)
     return out
