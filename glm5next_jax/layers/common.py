@@ -12,16 +12,20 @@ def linear(x, w):
     return jnp.tensordot(x, w, axes=1, precision=PRECISION).astype(x.dtype)
 
 
+def inverse_rms(x, eps):
+    """rsqrt(mean(x^2) + eps) over the last axis of x, in fp32 (keeps the axis, as 1)."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x, weight, eps):
     """x * rsqrt(mean(x^2) + eps) * weight, normalised in fp32 and cast back before the weight."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    normed = x.astype(jnp.float32) * inverse_rms(x, eps)
     return weight * normed.astype(x.dtype)
 
 
 def unweighted_rms_norm(x, eps):
-    x32 = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps).astype(x.dtype)
+    return x * inverse_rms(x, eps).astype(x.dtype)
 
 
 def layer_norm(x, weight, bias, eps):

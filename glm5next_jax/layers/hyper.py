@@ -7,7 +7,7 @@ streams into the sublayer input, expand() writes the sublayer output back into t
 import jax
 import jax.numpy as jnp
 
-from .common import PRECISION, unweighted_rms_norm
+from .common import PRECISION, inverse_rms, unweighted_rms_norm
 
 
 def mapping(p, streams, config):
@@ -54,9 +54,7 @@ def _normed_projection(flat, fn, eps):
         rest = rest - pieces[-1].astype(jnp.float32)
     parts = jnp.einsum("...i,io->...o", flat, jnp.concatenate(pieces, axis=-1), preferred_element_type=jnp.float32)
     n = fn.shape[-1]
-    x32 = flat.astype(jnp.float32)
-    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (parts[..., :n] + parts[..., n : 2 * n] + parts[..., 2 * n :]) * inverse_rms
+    return (parts[..., :n] + parts[..., n : 2 * n] + parts[..., 2 * n :]) * inverse_rms(flat, eps)
 
 
 def collapse(pre, streams):

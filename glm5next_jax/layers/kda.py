@@ -11,13 +11,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import kda as kda_core
 
-from .common import linear
+from .common import inverse_rms, linear
 
 
 def gated_rms_norm(o, gate, weight, eps):
     """RMSNorm over head_dim, weighted, times sigmoid(gate); fp32 throughout, cast to o.dtype."""
-    o32 = o.astype(jnp.float32)
-    normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    normed = o.astype(jnp.float32) * inverse_rms(o, eps)
     return (normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
 
 
