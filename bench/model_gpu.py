@@ -19,8 +19,7 @@
    `decode_unchecked`, the GPU time of one step (the sum of its kernels in a profiler trace) and
    its costliest kernels.
 5. With --long-profile T: the kernels of the MoE config's forward over one sequence of T tokens
-   (through the kernels alone), costliest first, with each one's HLO result and op, and their sum
-   by the layer part its op names (KDA, DSA's selection, DSA's attention, MoE, ...).
+   (through the kernels alone), costliest first, with each one's HLO result and op.
 """
 
 import os
@@ -134,7 +133,7 @@ def long_forward(tokens):
 def long_profile(tokens, top=25):
     """The MoE config's forward over one sequence of `tokens`, kernels alone, from a profiler trace
     of 3 calls: (GPU ms a call, kernels a call, [(ms, launches, name, HLO result and op)] costliest
-    first, {part: ms})."""
+    first)."""
     config = wider_config("moe")
     params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
     ids = jax.random.randint(jax.random.key(1), (1, tokens), 2, config.vocab_size)
@@ -143,17 +142,7 @@ def long_profile(tokens, top=25):
 
     sources = fusion_sources(model._forward.lower(params, config, ids, jnp.ones(ids.shape, jnp.bool_)).compile().as_text())
     ranked = sorted(((ms, launches[name], name, sources.get(name, "")) for name, ms in per_name.items()), reverse=True)
-    parts = {}
-    for ms, _, name, source in ranked:
-        part = next((p for p in LAYER_PARTS if p in (source + " " + name).lower()), "other")
-        parts[part] = parts.get(part, 0.0) + ms
-    return sum(per_name.values()), sum(launches.values()), ranked[:top], parts
-
-
-# Words of the kernels' names or their HLO ops that say which part of a layer they belong to,
-# first match wins (the Pallas kernels by their names, XLA's fusions by the function in their op).
-LAYER_PARTS = ("kda_intra", "kda_chain", "select", "pool", "latent", "moe", "ragged", "route", "dsa", "kda",
-               "hyper", "mapping", "sinkhorn", "norm", "gemm", "dot", "convolution")
+    return sum(per_name.values()), sum(launches.values()), ranked[:top]
 
 
 def decode_profile(mlps, top=12):
@@ -245,11 +234,8 @@ def main():
         return
     if "--long-profile" in sys.argv:
         tokens = int(sys.argv[sys.argv.index("--long-profile") + 1])
-        gpu, kernels, ranked, parts = long_profile(tokens)
+        gpu, kernels, ranked = long_profile(tokens)
         print(f"\nmoe config, forward 1 x {tokens}, kernels: GPU {gpu:.2f} ms in {kernels:.0f} kernels a call")
-        print("| part (by name or op) | GPU ms |\n|---|---|")
-        for part, ms in sorted(parts.items(), key=lambda item: -item[1]):
-            print(f"| {part} | {ms:.3f} |")
         print("| ms a call | launches a call | kernel | result, op (HLO) |\n|---|---|---|---|")
         for ms, n, name, source in ranked:
             print(f"| {ms:.4f} | {n:.0f} | {name[:110]} | {source} |")
