@@ -134,12 +134,12 @@ def long_profile(tokens, top=25):
     """The MoE config's forward over one sequence of `tokens`, kernels alone, from a profiler trace
     of 3 calls: (GPU ms a call, kernels a call, [(ms, launches, name, HLO result and op)] costliest
     first)."""
+    from glm5next_jax import model
+
     config = wider_config("moe")
     params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
     ids = jax.random.randint(jax.random.key(1), (1, tokens), 2, config.vocab_size)
     per_name, launches = trace_kernels(lambda: glm5next_jax.forward(params, config, ids), 3)
-    from glm5next_jax import model
-
     sources = fusion_sources(model._forward.lower(params, config, ids, jnp.ones(ids.shape, jnp.bool_)).compile().as_text())
     ranked = sorted(((ms, launches[name], name, sources.get(name, "")) for name, ms in per_name.items()), reverse=True)
     return sum(per_name.values()), sum(launches.values()), ranked[:top]
