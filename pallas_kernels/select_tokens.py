@@ -185,18 +185,24 @@ def top_pools_reference(scores, k):
 
 def _top_pools_kernel(scores_ref, chosen_ref, valid_ref, *, k):
     """One row: the k-th best score found bit by bit (the largest threshold that at least k scores
-    reach, on integer keys that order as the floats do), then every score above it and the first
-    of those equal to it, written in the row's order by their running count."""
+    reach, on integer keys that order as the floats do; or the first that exactly k reach), then
+    every score above it and the first of those equal to it, written in the row's order by their
+    running count."""
     t, b = pl.program_id(0), pl.program_id(1)
     x = scores_ref[b, t, :]
     bits = lax.bitcast_convert_type(x, jnp.int32)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: the magnitude bits flipped
 
-    def next_bit(i, threshold):  # from the sign bit down; the sign bit's flip is int32's minimum
+    def next_bit(carry):  # from the sign bit down; the sign bit's flip is int32's minimum
+        i, threshold, _ = carry
         candidate = threshold ^ jnp.left_shift(jnp.int32(1), 31 - i)
-        return jnp.where(jnp.sum((key >= candidate).astype(jnp.int32)) >= k, candidate, threshold)
+        reached = jnp.sum((key >= candidate).astype(jnp.int32))
+        return i + 1, jnp.where(reached >= k, candidate, threshold), reached == k
 
-    threshold = lax.fori_loop(0, 32, next_bit, jnp.int32(-(2**31)))
+    # Done as soon as exactly k keys reach the threshold: they are the k best whatever its lower bits
+    # (the remaining passes would only raise it to the k-th key itself).
+    start = (jnp.int32(0), jnp.int32(-(2**31)), jnp.bool_(False))
+    _, threshold, _ = lax.while_loop(lambda carry: (carry[0] < 32) & ~carry[2], next_bit, start)
     above = key > threshold
     equal = (key == threshold).astype(jnp.int32)
     chosen = above | ((equal == 1) & (jnp.cumsum(equal) - equal < k - jnp.sum(above.astype(jnp.int32))))

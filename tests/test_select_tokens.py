@@ -174,13 +174,14 @@ def test_selection_through_the_kernel_is_the_references(name):
 def test_top_pools_kernel_keeps_the_references_set(n, k):
     """Against XLA's top-k: ties (scores rounded to halves, and many zeros) go to the lower index,
     rows with fewer than k candidates keep their first -inf pools as non-candidates, negative and
-    positive scores, a row whose k best are the only positive ones, rows padded to a power of two."""
+    positive scores, a row whose k best are the only positive ones (the bit search stops early),
+    rows padded to a power of two."""
     rng = np.random.default_rng(n + k)
     scores = np.round(rng.normal(size=(2, 6, n)) * 2) / 2
     scores[0, 1] = np.maximum(scores[0, 1], 0.0)  # a row of ties at zero
     scores[1, 2, n // 3 :] = -np.inf  # fewer candidates than k where n // 3 < k
     scores[1, 3] = -np.inf
-    scores[0, 2] = -np.abs(scores[0, 2]) - 1  # exactly k positive: the k-th apart from the rest
+    scores[0, 2] = -np.abs(scores[0, 2]) - 1  # exactly k positive: the search is done at its first pass
     scores[0, 2, rng.permutation(n)[:k]] = rng.uniform(1, 2, k)
     scores = jnp.asarray(scores, jnp.float32)
     want_index, want_valid = st.top_pools_reference(scores, k)
