@@ -2,8 +2,9 @@
 
     python3 bench/model_gpu.py [GOLDENS_DIR] [--mlps dense,moe]   # 1. (with GOLDENS_DIR) and 2.
     python3 bench/model_gpu.py --long 16384,32768     # 3. alone
-    python3 bench/model_gpu.py --decode-profile        # 4. alone
+    python3 bench/model_gpu.py --decode-profile [--mlps dense] [--kernels-only]   # 4. alone
     python3 bench/model_gpu.py --long-profile 16384    # 5. alone
+    python3 bench/model_gpu.py --command-buffers [--mlps dense]   # 6. alone
 
 1. The shipped tiny checkpoint, fp32, through the pure-jnp references: logits against the
    transformers goldens; greedy generation against transformers' cached generation. (Its KDA head
@@ -20,6 +21,8 @@
    its costliest kernels.
 5. With --long-profile T: the kernels of the MoE config's forward over one sequence of T tokens
    (through the kernels alone), costliest first, with each one's HLO result and op.
+6. With --command-buffers: the kernels path's decode step compiled under each of
+   `COMMAND_BUFFER_SETTINGS` (XLA's CUDA graphs), wall and GPU time a step.
 """
 
 import os
@@ -145,10 +148,11 @@ def long_profile(tokens, top=25):
     return sum(per_name.values()), sum(launches.values()), ranked[:top]
 
 
-def decode_profile(mlps, top=12):
+def decode_profile(mlps, impls=("reference", None), top=12):
     """Wall ms of `decode_step` and of `decode_unchecked`, and the kernels of one step from a
-    `jax.profiler` trace (CUPTI) of `steps` steps: (implementation, wall, wall unchecked, GPU ms a
-    step, kernels a step, [(ms a step, launches a step, name, HLO result and op)] costliest first)."""
+    `jax.profiler` trace (CUPTI) of `steps` steps, for each of `impls`: (implementation, wall, wall
+    unchecked, GPU ms a step, kernels a step, [(ms a step, launches a step, name, HLO result and op)]
+    costliest first)."""
     from glm5next_jax import inference
 
     config = wider_config(mlps)
@@ -156,7 +160,7 @@ def decode_profile(mlps, top=12):
     cache, tokens = prefilled_cache(params, config)
     device_tokens = jnp.asarray(tokens)
     results, steps = [], 10
-    for impl in ("reference", None):
+    for impl in impls:
         state = {"cache": jax.tree.map(jnp.copy, cache)}
 
         def checked(impl=impl):
@@ -175,6 +179,45 @@ def decode_profile(mlps, top=12):
         results.append((impl or "auto (pallas)", wall, wall_unchecked, sum(per_name.values()),
                         sum(launches.values()), ranked[:top]))
     return results
+
+
+def decode_command_buffers(mlps, settings, steps=10):
+    """The kernels path's decode step (batch 8, 4096 cached) compiled once per XLA setting of
+    `settings` ({name: compiler options}, e.g. {"xla_gpu_enable_command_buffer": ""}: CUDA graphs
+    off) in one process: (name, median wall ms a step, GPU ms a step, kernels a step, max |d| of the
+    first step's logits against the first setting's)."""
+    from glm5next_jax import inference
+
+    config = wider_config(mlps)
+    params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
+    cache, tokens = prefilled_cache(params, config)
+    tokens = jnp.asarray(tokens)
+    rows, first = [], None
+    for name, options in settings.items():
+        compiled = inference._decode.lower(params, config, tokens, cache).compile(compiler_options=options)
+        logits, _ = compiled(params, tokens, jax.tree.map(jnp.copy, cache))
+        first = logits if first is None else first
+        state = {"cache": jax.tree.map(jnp.copy, cache)}
+
+        def step(compiled=compiled):
+            out, state["cache"] = compiled(params, tokens, state["cache"])
+            return out
+
+        wall = median_ms(step, reps=20)
+        per_name, launches = trace_kernels(step, steps)
+        rows.append((name, wall, sum(per_name.values()), sum(launches.values()),
+                     float(jnp.abs(logits.astype(jnp.float32) - first.astype(jnp.float32)).max())))
+    return rows
+
+
+COMMAND_BUFFER_SETTINGS = {
+    "XLA's default": {},
+    "command buffers off": {"xla_gpu_enable_command_buffer": ""},
+    "+ while, conditional; graphs from 1 op": {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+        "xla_gpu_graph_min_graph_size": 1,
+    },
+}
 
 
 def trace_kernels(run, steps):
@@ -222,15 +265,29 @@ def fusion_sources(hlo_text):
 
 
 def main():
-    print("devices:", jax.devices())
-    if "--decode-profile" in sys.argv:
-        for mlps in ("dense", "moe"):
-            for impl, wall, unchecked, gpu, kernels, ranked in decode_profile(mlps):
+    print("devices:", jax.devices(), "XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""))
+    mlps_configs = ("dense", "moe")
+    args = sys.argv[1:]
+    if "--mlps" in args:  # --mlps moe: that config alone
+        at = args.index("--mlps")
+        mlps_configs, args = tuple(args[at + 1].split(",")), args[:at] + args[at + 2 :]
+    if "--decode-profile" in args:  # with --kernels-only, not the references' step
+        impls = (None,) if "--kernels-only" in args else ("reference", None)
+        for mlps in mlps_configs:
+            for impl, wall, unchecked, gpu, kernels, ranked in decode_profile(mlps, impls):
                 print(f"\n{mlps} MLPs, {impl}: decode_step {wall:.3f} ms wall, decode_unchecked {unchecked:.3f} ms, "
                       f"GPU {gpu:.3f} ms in {kernels:.0f} kernels a step")
                 print("| ms a step | launches a step | kernel | result, op (HLO) |\n|---|---|---|---|")
                 for ms, n, name, source in ranked:
                     print(f"| {ms:.4f} | {n:.0f} | {name[:110]} | {source} |")
+        return
+    if "--command-buffers" in args:
+        for mlps in mlps_configs:
+            print(f"\n{mlps} MLPs, kernels path, decode step batch 8 over 4096 cached, by XLA setting")
+            print("| setting | median wall ms a step | GPU ms a step | kernels a step | logits max |d| vs the first |")
+            print("|---|---|---|---|---|")
+            for name, wall, gpu, kernels, err in decode_command_buffers(mlps, COMMAND_BUFFER_SETTINGS):
+                print(f"| {name} | {wall:.3f} | {gpu:.3f} | {kernels:.0f} | {err:.2e} |", flush=True)
         return
     if "--long-profile" in sys.argv:
         tokens = int(sys.argv[sys.argv.index("--long-profile") + 1])
@@ -247,11 +304,6 @@ def main():
             ms, finite = long_forward(tokens)
             print(f"| T = {tokens} | {ms:.1f} | {tokens / ms * 1e3:.0f} | {finite} |", flush=True)
         return
-    mlps_configs = ("dense", "moe")
-    args = sys.argv[1:]
-    if "--mlps" in args:  # --mlps moe: that config's timings alone
-        at = args.index("--mlps")
-        mlps_configs, args = tuple(args[at + 1].split(",")), args[:at] + args[at + 2 :]
     if args:  # without GOLDENS_DIR: the timings (2.) alone
         rows, same = parity(args[0])
         print("\n| case | kernels | max|d|/max|ref| vs transformers fp32 |")
