@@ -184,17 +184,19 @@ def decode_profile(mlps, impls=("reference", None), top=12):
 def decode_command_buffers(mlps, settings, steps=10):
     """The kernels path's decode step (batch 8, 4096 cached) compiled once per XLA setting of
     `settings` ({name: compiler options}, e.g. {"xla_gpu_enable_command_buffer": ""}: CUDA graphs
-    off) in one process: (name, median wall ms a step, GPU ms a step, kernels a step, max |d| of the
-    first step's logits against the first setting's)."""
+    off) in one process, yielded as measured: (name, compile s, median wall ms a step, GPU ms a step,
+    kernels a step, max |d| of the first step's logits against the first setting's)."""
     from glm5next_jax import inference
 
     config = wider_config(mlps)
     params = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")
     cache, tokens = prefilled_cache(params, config)
     tokens = jnp.asarray(tokens)
-    rows, first = [], None
+    first = None
     for name, options in settings.items():
+        start = time.perf_counter()
         compiled = inference._decode.lower(params, config, tokens, cache).compile(compiler_options=options)
+        compile_s = time.perf_counter() - start
         logits, _ = compiled(params, tokens, jax.tree.map(jnp.copy, cache))
         first = logits if first is None else first
         state = {"cache": jax.tree.map(jnp.copy, cache)}
@@ -205,9 +207,8 @@ def decode_command_buffers(mlps, settings, steps=10):
 
         wall = median_ms(step, reps=20)
         per_name, launches = trace_kernels(step, steps)
-        rows.append((name, wall, sum(per_name.values()), sum(launches.values()),
-                     float(jnp.abs(logits.astype(jnp.float32) - first.astype(jnp.float32)).max())))
-    return rows
+        yield (name, compile_s, wall, sum(per_name.values()), sum(launches.values()),
+               float(jnp.abs(logits.astype(jnp.float32) - first.astype(jnp.float32)).max()))
 
 
 COMMAND_BUFFER_SETTINGS = {
@@ -284,10 +285,10 @@ def main():
     if "--command-buffers" in args:
         for mlps in mlps_configs:
             print(f"\n{mlps} MLPs, kernels path, decode step batch 8 over 4096 cached, by XLA setting")
-            print("| setting | median wall ms a step | GPU ms a step | kernels a step | logits max |d| vs the first |")
-            print("|---|---|---|---|---|")
-            for name, wall, gpu, kernels, err in decode_command_buffers(mlps, COMMAND_BUFFER_SETTINGS):
-                print(f"| {name} | {wall:.3f} | {gpu:.3f} | {kernels:.0f} | {err:.2e} |", flush=True)
+            print("| setting | compile s | median wall ms a step | GPU ms a step | kernels a step | logits max |d| vs the first |")
+            print("|---|---|---|---|---|---|", flush=True)
+            for name, compile_s, wall, gpu, kernels, err in decode_command_buffers(mlps, COMMAND_BUFFER_SETTINGS):
+                print(f"| {name} | {compile_s:.0f} | {wall:.3f} | {gpu:.3f} | {kernels:.0f} | {err:.2e} |", flush=True)
         return
     if "--long-profile" in sys.argv:
         tokens = int(sys.argv[sys.argv.index("--long-profile") + 1])
