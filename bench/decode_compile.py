@@ -5,9 +5,9 @@ session saw the dense config's step not compiled after 380 s) leaves the others 
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/decode_compile.py [--mlps dense,moe] [--limit 150]
 
-Run from a checkout of another commit (bench/stage_branches.sh) with PYTHONPATH at that checkout,
-it compiles that commit's step: the script itself needs only `model_gpu.wider_config` and
-`inference._decode(params, config, token_ids, cache, implementation)`. Settings: XLA's defaults,
+Copied into a checkout of another commit (bench/stage_branches.sh) and run there, it compiles that
+commit's step: it needs only `model_gpu.wider_config` and `inference._decode(params, config,
+token_ids, cache, implementation)` beside it. Settings: XLA's defaults,
 and the GEMM autotuner off (`xla_gpu_autotune_level` 0), which tells an autotuning stall from
 another.
 """
