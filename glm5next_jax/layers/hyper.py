@@ -37,7 +37,11 @@ def mapping(p, streams, config):
     # (8 mappings x 19 iterations were most of a small model's decode step on the H200), and XLA fuses
     # the unrolled iterations. On the CPU the loop is free and unrolling doubles the compile time.
     comb = jax.lax.platform_dependent(comb, cpu=lambda c: sinkhorn(c, False), default=lambda c: sinkhorn(c, True))
-    return pre, post, comb
+    # The three are computed apart from their consumers: fused into expand's and the projection's
+    # element-wise code, the unrolled Sinkhorn chain grows XLA:GPU fusions whose tiling priority
+    # fusion searches again at every step (the decode step's compile on an H200 target: 398 s, 44 s
+    # with the barrier; bench/RESULTS.md, twenty-ninth session). They are [B, T, H(, H)]: tiny.
+    return jax.lax.optimization_barrier((pre, post, comb))
 
 
 def _normed_projection(flat, fn, eps):
