@@ -5,6 +5,12 @@ session saw the dense config's step not compiled after 380 s) leaves the others 
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/decode_compile.py [--mlps dense,moe] [--limit 150] [--dump DIR]
 
+With --deviceless it compiles for a compile-only H200 on a machine without a GPU (the GEMM
+autotuner off, as it runs its candidates on the GPU), in an environment with JAX's CUDA plugin:
+    PYENV_VERSION=3.12.1 python3.12 -m venv .venv-gpu-compile
+    .venv-gpu-compile/bin/pip install "jax[cuda12]==0.11.2" -e .
+    PYTHONPATH=$PWD:$PWD/bench .venv-gpu-compile/bin/python bench/decode_compile.py --deviceless --mlps dense
+
 Copied into a checkout of another commit (bench/stage_branches.sh) and run there, it compiles that
 commit's step: it needs only `model_gpu.wider_config` and `inference._decode(params, config,
 token_ids, cache, implementation)` beside it. Settings: XLA's defaults, the GEMM autotuner off
@@ -28,8 +34,43 @@ SETTINGS = {
 }
 
 
-def compile_seconds(mlps, options):
+# The H200's properties as XLA's GPU compiler reads them (a GpuTargetConfigProto): for --deviceless.
+H200_TARGET = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 shared_memory_per_block_optin: 232448 threads_per_core_limit: 2048
+  core_count: 132 fpus_per_core: 128 registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 151397597184
+  cuda_compute_capability { major: 9 feature_extension: ACCELERATED_FEATURES }
+}
+runtime_version { major: 12 minor: 8 }
+dnn_version_info { major: 9 minor: 10 }
+platform_name: "CUDA"
+device_description_str: "NVIDIA H200"
+"""
+
+
+def compile_only_h200():
+    """A sharding on a compile-only H200 (no GPU needed; JAX's CUDA plugin must be installed), with
+    that device made JAX's default, so that the Pallas kernels lower for it."""
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET, topology="1x1x1")
+    jax.config.update("jax_default_device", topology.devices[0])
+    # The library makes its GPU-only choices (the latent attention's split of a decode query) by the
+    # default backend, which stays "cpu" on a machine without a GPU.
+    jax.default_backend = lambda: "gpu"
+    mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def compile_seconds(mlps, options, deviceless=False):
     """Seconds to lower and compile `inference._decode` for `mlps`' config with `options`."""
+    if deviceless:
+        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # the plugin's checks need a driver
     import jax
     import jax.numpy as jnp
 
@@ -37,15 +78,22 @@ def compile_seconds(mlps, options):
     from glm5next_jax import inference
     from model_gpu import wider_config
 
+    sharding = compile_only_h200() if deviceless else None
     config = wider_config(mlps)
-    params = jax.eval_shape(lambda: glm5next_jax.init_params(config, jax.random.key(0), "bfloat16"))
-    cache = jax.eval_shape(
+
+    def shapes(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+    params = shapes(jax.eval_shape(lambda: glm5next_jax.init_params(config, jax.random.key(0), "bfloat16")))
+    cache = shapes(jax.eval_shape(
         lambda: glm5next_jax.init_cache(config, 8, 4096 + 64, dtype="bfloat16", latent_dtype="float8_e4m3fn")
-    )
-    tokens = jax.ShapeDtypeStruct((8,), jnp.int32)
+    ))
+    tokens = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=sharding)
     start = time.perf_counter()
-    lowered = inference._decode.lower(params, config, tokens, cache, "pallas")
+    lowered = inference._decode.trace(params, config, tokens, cache, "pallas").lower(lowering_platforms=("cuda",))
     lowered_s = time.perf_counter() - start
+    if deviceless:  # the autotuner runs candidates on a GPU
+        options = dict({"xla_gpu_autotune_level": 0}, **options)
     lowered.compile(compiler_options=options)
     return lowered_s, time.perf_counter() - start - lowered_s
 
@@ -61,20 +109,22 @@ def last_passes(dump_dir, n=3):
 def main():
     args = sys.argv[1:]
     if args[:1] == ["--one"]:  # the child: one config and setting, seconds as JSON on the last line
-        print(json.dumps(compile_seconds(args[1], json.loads(args[2]))))
+        print(json.dumps(compile_seconds(args[1], json.loads(args[2]), deviceless="--deviceless" in args)))
         return
     mlps_configs = args[args.index("--mlps") + 1].split(",") if "--mlps" in args else ["dense", "moe"]
     limit = float(args[args.index("--limit") + 1]) if "--limit" in args else 150.0
     dump = args[args.index("--dump") + 1] if "--dump" in args else None
+    deviceless = "--deviceless" in args
+    settings = {"XLA's defaults": {}} if deviceless else SETTINGS  # deviceless: the autotuner is off
     print("| config | setting | lowering s | XLA compile s |\n|---|---|---|---|", flush=True)
     for mlps in mlps_configs:
-        for name, options in SETTINGS.items():
+        for name, options in settings.items():
             dump_dir = os.path.join(dump, f"{mlps}-{re.sub(r'[^a-z]+', '_', name.lower())}") if dump else None
             if dump_dir:
-                options = dict(options, xla_dump_to=dump_dir, xla_dump_hlo_pass_re=".*")
+                options = dict(options, xla_dump_to=dump_dir, xla_dump_hlo_pass_re=".+")  # ".*": changed passes only
             try:
                 done = subprocess.run(
-                    [sys.executable, __file__, "--one", mlps, json.dumps(options)],
+                    [sys.executable, __file__, "--one", mlps, json.dumps(options)] + ["--deviceless"] * deviceless,
                     capture_output=True, text=True, timeout=limit,
                 )
             except subprocess.TimeoutExpired:
