@@ -2,6 +2,8 @@
 
 import json
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +115,22 @@ def test_hyper_connection_sinkhorn_is_unrolled_off_the_cpu(goldens):
     loops = {platform: traced.lower(lowering_platforms=(platform,)).as_text().count("stablehlo.while")
              for platform in ("cuda", "cpu")}
     assert loops == {"cuda": 0, "cpu": 1}, loops
+
+
+def test_hyper_connection_weights_leave_the_mapping_through_a_barrier(goldens):
+    """Fused on into expand's and the projection's element-wise code, the unrolled Sinkhorn grew
+    XLA:GPU fusions whose tiling priority fusion searched again at every step: the decode step took
+    398 s to compile for an H200 target, 44 s with pre, post and comb behind an optimization barrier
+    (bench/RESULTS.md, twenty-ninth session). Lowered for CUDA, the mapping's three results are the
+    barrier's."""
+    data, config = layer(goldens, "hc")
+    p = params_of(data, lambda r: read_hc(r, "", "attn", config))
+    text = jax.jit(lambda p, x: hyper.mapping(p, x, config)).trace(p, jnp.asarray(data["streams"])).lower(
+        lowering_platforms=("cuda",)).as_text()
+    barrier = re.search(r"(%\S+):3 = stablehlo.optimization_barrier", text)
+    assert barrier, "no three-result optimization barrier in the mapping"
+    returned = re.search(r"return (\S+), (\S+), (\S+) :", text.split("func.func public @main")[1])
+    assert returned and returned.groups() == tuple(f"{barrier.group(1)}#{i}" for i in range(3)), returned
 
 
 @pytest.mark.parametrize("name", ["kda_core", "kda_core_short"])
