@@ -290,18 +290,18 @@ def main():
             for name, compile_s, wall, gpu, kernels, err in decode_command_buffers(mlps, COMMAND_BUFFER_SETTINGS):
                 print(f"| {name} | {compile_s:.0f} | {wall:.3f} | {gpu:.3f} | {kernels:.0f} | {err:.2e} |", flush=True)
         return
-    if "--long-profile" in sys.argv:
-        tokens = int(sys.argv[sys.argv.index("--long-profile") + 1])
+    if "--long-profile" in args:
+        tokens = int(args[args.index("--long-profile") + 1])
         gpu, kernels, ranked = long_profile(tokens)
         print(f"\nmoe config, forward 1 x {tokens}, kernels: GPU {gpu:.2f} ms in {kernels:.0f} kernels a call")
         print("| ms a call | launches a call | kernel | result, op (HLO) |\n|---|---|---|---|")
         for ms, n, name, source in ranked:
             print(f"| {ms:.4f} | {n:.0f} | {name[:110]} | {source} |")
         return
-    if "--long" in sys.argv:  # python3 bench/model_gpu.py --long 16384,32768: only the long forwards
+    if "--long" in args:  # python3 bench/model_gpu.py --long 16384,32768: only the long forwards
         print("\n| moe config: forward 1 x T, kernels | median ms | tokens / s | logits finite |")
         print("|---|---|---|---|")
-        for tokens in map(int, sys.argv[sys.argv.index("--long") + 1].split(",")):
+        for tokens in map(int, args[args.index("--long") + 1].split(",")):
             ms, finite = long_forward(tokens)
             print(f"| T = {tokens} | {ms:.1f} | {tokens / ms * 1e3:.0f} | {finite} |", flush=True)
         return

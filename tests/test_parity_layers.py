@@ -1,7 +1,6 @@
 """Each layer alone against its transformers module (fp32), on the goldens' random inputs."""
 
 import json
-
 import re
 
 import jax
