@@ -3,7 +3,8 @@ shapes (no prefill, no data): bench/model_gpu.py's wider configs, batch 8 over 4
 Each compile runs in a child process under a time limit, so that one that hangs (the twenty-ninth
 session saw the dense config's step not compiled after 380 s) leaves the others measured.
 
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/decode_compile.py [--mlps dense,moe] [--limit 150] [--dump DIR]
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/decode_compile.py [--mlps dense,moe] [--settings defaults,...]
+        [--limit 150] [--dump DIR]
 
 With --deviceless it compiles for a compile-only H200 on a machine without a GPU (the GEMM
 autotuner off, as it runs its candidates on the GPU), in an environment with JAX's CUDA plugin:
@@ -13,8 +14,8 @@ autotuner off, as it runs its candidates on the GPU), in an environment with JAX
 
 Copied into a checkout of another commit (bench/stage_branches.sh) and run there, it compiles that
 commit's step: it needs only `model_gpu.wider_config` and `inference._decode(params, config,
-token_ids, cache, implementation)` beside it. Settings: XLA's defaults, the GEMM autotuner off
-(`xla_gpu_autotune_level` 0, which tells an autotuning stall from another), and cuBLAS for every
+token_ids, cache, implementation)` beside it. Settings (`SETTINGS`): XLA's defaults, the GEMM autotuner
+off (`xla_gpu_autotune_level` 0, which tells an autotuning stall from another), and cuBLAS for every
 dot (no Triton GEMM fusions). With --dump DIR, XLA writes the module after each of its passes under
 DIR/<config>-<setting>/, and a compile cut by the limit is reported with the last files written
 (the pass where it stalled).
@@ -22,15 +23,14 @@ DIR/<config>-<setting>/, and a compile cut by the limit is reported with the las
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
-SETTINGS = {
-    "XLA's defaults": {},
-    "autotuner off": {"xla_gpu_autotune_level": 0},
-    "no Triton GEMMs": {"xla_gpu_enable_triton_gemm": False},
+SETTINGS = {  # --settings picks among them by name (all by default)
+    "defaults": {},
+    "autotuner-off": {"xla_gpu_autotune_level": 0},
+    "no-triton-gemms": {"xla_gpu_enable_triton_gemm": False},
 }
 
 
@@ -116,11 +116,15 @@ def main():
     dump = args[args.index("--dump") + 1] if "--dump" in args else None
     deviceless = "--deviceless" in args
     # Deviceless, the autotuner is off in every setting (compile_seconds), so that one is the defaults.
-    settings = {name: o for name, o in SETTINGS.items() if not (deviceless and name == "autotuner off")}
+    chosen = args[args.index("--settings") + 1].split(",") if "--settings" in args else list(SETTINGS)
+    unknown = set(chosen) - set(SETTINGS)
+    if unknown:
+        raise SystemExit(f"--settings takes names among {list(SETTINGS)}, got {sorted(unknown)}")
+    settings = {name: SETTINGS[name] for name in chosen if not (deviceless and name == "autotuner-off")}
     print("| config | setting | lowering s | XLA compile s |\n|---|---|---|---|", flush=True)
     for mlps in mlps_configs:
         for name, options in settings.items():
-            dump_dir = os.path.join(dump, f"{mlps}-{re.sub(r'[^a-z]+', '_', name.lower())}") if dump else None
+            dump_dir = os.path.join(dump, f"{mlps}-{name}") if dump else None
             if dump_dir:
                 options = dict(options, xla_dump_to=dump_dir, xla_dump_hlo_pass_re=".+")  # ".*": changed passes only
             try:
