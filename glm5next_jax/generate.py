@@ -67,12 +67,13 @@ def generate(
     latent_dtype="bfloat16",
     page_size: int = 64,
     implementation=None,
+    interpret=False,
 ) -> Generation:
     """Generate up to max_new_tokens for each prompt (a list of token-id lists, lengths may differ).
 
     eos_token_id: an id or ids that end a sequence (default: the config's). callback(step, tokens,
     finished) is called after each step with the new token of every sequence ([B] numpy arrays);
-    returning True from it stops generation. implementation: as in `forward`.
+    returning True from it stops generation. implementation, interpret: as in `forward`.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -94,7 +95,7 @@ def generate(
     cache = init_cache(
         config, batch, max_len, latent_dtype=latent_dtype, page_size=page_size, dtype=params["embed_tokens"].dtype
     )
-    logits, cache = prefill(params, config, ids, mask, cache, implementation=implementation)
+    logits, cache = prefill(params, config, ids, mask, cache, implementation=implementation, interpret=interpret)
     last = jnp.take_along_axis(logits, jnp.asarray(mask.sum(1) - 1)[:, None, None], axis=1)[:, 0]
 
     key = jax.random.key(seed)
@@ -111,5 +112,5 @@ def generate(
         if finished.all() or stop or step == max_new_tokens - 1:
             break
         # The cache has room for every step by construction, so the per-step host checks are skipped.
-        last, cache = decode_unchecked(params, config, tokens, cache, implementation)
+        last, cache = decode_unchecked(params, config, tokens, cache, implementation, interpret)
     return Generation(tokens=out, finished=finished.tolist(), cache=cache)

@@ -21,7 +21,7 @@ from .layers.kda import kda_layer_cached, kda_layer_decode
 from .model import check_ids_in_range, check_token_batch, decoder_layer, embed, final_logits
 
 
-def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, implementation):
+def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, implementation, interpret):
     start = cache["lengths"]
     layers = []
     indices = None
@@ -29,24 +29,26 @@ def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, 
 
         def attend(pa, h, i=i, lc=lc, indices=indices):
             if config.layer_types[i] == DSA:
-                y, new_lc, idx = dsa_layer_cached(pa, h, config, lc, cache["page_table"], start, valid, indices, implementation)
+                y, new_lc, idx = dsa_layer_cached(
+                    pa, h, config, lc, cache["page_table"], start, valid, indices, implementation, interpret
+                )
                 return y, (new_lc, idx)
             if decode:
-                y, new_lc = kda_layer_decode(pa, h, config, lc, implementation)
+                y, new_lc = kda_layer_decode(pa, h, config, lc, implementation, interpret)
             else:
-                y, new_lc = kda_layer_cached(pa, h, config, lc, valid, implementation)
+                y, new_lc = kda_layer_cached(pa, h, config, lc, valid, implementation, interpret)
             return y, (new_lc, None)
 
-        streams, (lc, indices) = decoder_layer(p, streams, config, i, attend, implementation)
+        streams, (lc, indices) = decoder_layer(p, streams, config, i, attend, implementation, interpret)
         layers.append(lc)
     new_cache = dict(cache, lengths=start + valid.sum(-1, dtype=jnp.int32), layers=layers)
     return streams, new_cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation"))
-def _prefill(params, config: Config, ids, valid, offset, cache, implementation=None):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"))
+def _prefill(params, config: Config, ids, valid, offset, cache, implementation=None, interpret=False):
     streams = embed(params, ids, config)
-    streams, cache = _cached_layers(params, config, streams, cache, valid, False, implementation)
+    streams, cache = _cached_layers(params, config, streams, cache, valid, False, implementation, interpret)
     logits = final_logits(params, streams, config)
     # Back to the caller's layout: compacted position i of row b was at offset[b] + i.
     t = ids.shape[1]
@@ -54,20 +56,20 @@ def _prefill(params, config: Config, ids, valid, offset, cache, implementation=N
     return jnp.take_along_axis(logits, back[..., None], axis=1), cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation"), donate_argnames="cache")
-def _decode(params, config: Config, token_ids, cache, implementation=None):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"), donate_argnames="cache")
+def _decode(params, config: Config, token_ids, cache, implementation=None, interpret=False):
     streams = embed(params, token_ids[:, None], config)
     valid = jnp.ones(token_ids.shape + (1,), jnp.bool_)
-    streams, cache = _cached_layers(params, config, streams, cache, valid, True, implementation)
+    streams, cache = _cached_layers(params, config, streams, cache, valid, True, implementation, interpret)
     return final_logits(params, streams, config)[:, 0], cache
 
 
-def prefill(params, config: Config, ids, attention_mask, cache, *, implementation=None):
+def prefill(params, config: Config, ids, attention_mask, cache, *, implementation=None, interpret=False):
     """Append a chunk of tokens to every sequence of the cache; returns (logits [B, T, vocab], cache).
 
     ids [B, T]; attention_mask [B, T] of 0/1 (None: all 1), each row left- or right-padded. Rows
     may add different numbers of tokens (a row of zeros adds none). On an empty cache this is the
-    prompt prefill, on a live one a continuation prefill. implementation: as in `forward`.
+    prompt prefill, on a live one a continuation prefill. implementation, interpret: as in `forward`.
     """
     check_token_batch(ids, attention_mask, config.vocab_size)
     ids = np.asarray(ids)
@@ -83,12 +85,13 @@ def prefill(params, config: Config, ids, attention_mask, cache, *, implementatio
     valid = np.arange(ids.shape[1])[None] < n_new[:, None]
     return _prefill(
         params, config, jnp.asarray(ids, jnp.int32), jnp.asarray(valid), jnp.asarray(offset, jnp.int32), cache,
-        implementation,
+        implementation, bool(interpret),
     )
 
 
-def decode_step(params, config: Config, token_ids, cache, *, implementation=None):
+def decode_step(params, config: Config, token_ids, cache, *, implementation=None, interpret=False):
     """One token for each sequence: token_ids [B] (or [B, 1]) -> (logits [B, vocab], cache).
+    implementation, interpret: as in `forward`.
 
     The input cache's buffers are donated (updated in place on accelerators): use the returned one.
     """
@@ -99,12 +102,12 @@ def decode_step(params, config: Config, token_ids, cache, *, implementation=None
         raise ValueError(f"token_ids must be an integer array [B] or [B, 1], got {token_ids.dtype} {token_ids.shape}")
     check_ids_in_range(token_ids, config.vocab_size)
     check_cache(params, config, cache, token_ids.shape[0], np.ones(token_ids.shape[0], np.int64))
-    return decode_unchecked(params, config, jnp.asarray(token_ids, jnp.int32), cache, implementation)
+    return decode_unchecked(params, config, jnp.asarray(token_ids, jnp.int32), cache, implementation, interpret)
 
 
-def decode_unchecked(params, config: Config, token_ids, cache, implementation=None):
+def decode_unchecked(params, config: Config, token_ids, cache, implementation=None, interpret=False):
     """decode_step without the host-side checks, for loops that have checked their own bounds."""
-    return _decode(params, config, token_ids, cache, implementation)
+    return _decode(params, config, token_ids, cache, implementation, bool(interpret))
 
 
 def check_cache(params, config: Config, cache, batch: int, n_new) -> None:

@@ -14,11 +14,11 @@ from .layers.kda import kda_layer
 from .layers.mlp import dense_mlp, moe
 
 
-def decoder_layer(p, streams, config: Config, layer: int, attend, implementation=None):
+def decoder_layer(p, streams, config: Config, layer: int, attend, implementation=None, interpret=False):
     """One layer: mHC around the attention sublayer, then around the MLP sublayer.
 
     attend(attn_params, h) -> (y, aux) runs the attention sublayer (cached or not, KDA or DSA);
-    implementation picks the MoE's grouped GEMM (as in `forward`); returns (streams, aux).
+    implementation and interpret pick the MoE's grouped GEMM (as in `forward`); returns (streams, aux).
     """
     pre, post, comb = hyper.mapping(p["attn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["input_norm"], config.rms_norm_eps)
@@ -28,19 +28,19 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
     pre, post, comb = hyper.mapping(p["ffn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["post_attention_norm"], config.rms_norm_eps)
     if config.mlp_layer_types[layer] == "sparse":
-        y = moe(p["mlp"], h, config, implementation)
+        y = moe(p["mlp"], h, config, implementation, interpret)
     else:
         y = dense_mlp(p["mlp"], h, config)
     return hyper.expand(post, comb, y, streams), aux
 
 
-def uncached_attention(config: Config, layer: int, padding_mask, shared_indices, implementation=None):
+def uncached_attention(config: Config, layer: int, padding_mask, shared_indices, implementation=None, interpret=False):
     """The attention sublayer of a whole-sequence forward; aux is the DSA selection (or None)."""
 
     def attend(p, h):
         if config.layer_types[layer] == DSA:
-            return dsa_layer(p, h, config, padding_mask, shared_indices, implementation)
-        return kda_layer(p, h, config, padding_mask, implementation), None
+            return dsa_layer(p, h, config, padding_mask, shared_indices, implementation, interpret)
+        return kda_layer(p, h, config, padding_mask, implementation, interpret), None
 
     return attend
 
@@ -56,30 +56,31 @@ def embed(params, input_ids, config: Config):
     return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], config.hc_mult, x.shape[-1]))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation"))
-def _forward(params, config: Config, input_ids, attention_mask, implementation=None):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"))
+def _forward(params, config: Config, input_ids, attention_mask, implementation=None, interpret=False):
     padding_mask = attention_mask.astype(jnp.bool_)
     streams = embed(params, input_ids, config)
     indices = None
     for i, p in enumerate(params["layers"]):
-        attend = uncached_attention(config, i, padding_mask, indices, implementation)
-        streams, indices = decoder_layer(p, streams, config, i, attend, implementation)
+        attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret)
+        streams, indices = decoder_layer(p, streams, config, i, attend, implementation, interpret)
     return final_logits(params, streams, config)
 
 
-def forward(params, config: Config, input_ids, attention_mask=None, *, implementation=None):
+def forward(params, config: Config, input_ids, attention_mask=None, *, implementation=None, interpret=False):
     """Logits [B, T, vocab] (fp32) for int token ids [B, T] and an optional 0/1 mask [B, T].
 
     Padding may be on the left or the right; padded positions get logits but they carry no meaning.
     implementation picks the kernels: None (Pallas where it applies on GPU, else the pure-jnp
-    references), "reference" or "pallas".
+    references), "reference" or "pallas"; interpret=True runs the kernels in Pallas' interpreter on any
+    backend, None then choosing as on a GPU (`pallas_kernels.common.pick_implementation`).
     """
     check_token_batch(input_ids, attention_mask, config.vocab_size)
     input_ids = jnp.asarray(input_ids)
     if attention_mask is None or input_ids.shape[1] == 1:
         # transformers ignores the mask of a single-token input (a lone token is never padding).
         attention_mask = jnp.ones(input_ids.shape, jnp.bool_)
-    return _forward(params, config, input_ids.astype(jnp.int32), attention_mask, implementation)
+    return _forward(params, config, input_ids.astype(jnp.int32), attention_mask, implementation, bool(interpret))
 
 
 def check_token_batch(input_ids, attention_mask, vocab_size):

@@ -17,8 +17,9 @@ sequence, each in [0, T]; checked where the values are known, outside jit): a pa
 neither decays nor writes the state (g = 0, beta = 0 there), so the final state is each sequence's
 state after its own last token; outputs at padded positions are meaningless.
 
-Dispatch (`implementation`): None picks "pallas" on a GPU backend for bf16 inputs of supported
-shapes, else "reference"; "pallas" with `interpret=True` runs the kernels in Pallas' interpreter (CPU tests).
+Dispatch (`implementation`, `interpret`): as `pallas_kernels.common.pick_implementation` says, the
+kernels for bf16 inputs of supported shapes on a GPU (or in Pallas' interpreter with `interpret=True`),
+else the reference.
 The Pallas scan factors decays through reference tokens 16 tokens apart and is exact for gates
 g >= kda_intra.MIN_GATE (-5 per token, which the model's lower bound guarantees); for unbounded
 gates ask for "reference".
@@ -30,6 +31,7 @@ import numpy as np
 from jax.scipy.linalg import solve_triangular
 
 from pallas_kernels import kda_chain, kda_decode, kda_intra, kda_triton
+from pallas_kernels.common import pick_implementation
 
 HIGHEST = jax.lax.Precision.HIGHEST
 L2_EPS = kda_intra.L2_EPS  # the model's L2-norm epsilon: one value for the references and the kernels
@@ -254,25 +256,6 @@ def random_decode_inputs(key, b, h, d, *, state_scale=1.0):
     )
 
 
-IMPLEMENTATIONS = (None, "reference", "pallas")
-
-
-def _pick(implementation, unsupported, dtype):
-    """The implementation to run: `unsupported` is None or why the Pallas kernel can't take the call.
-
-    The kernels multiply bf16 operands (fp32 accumulation, tf32 in the state chain), so the automatic
-    choice keeps fp32 inputs on the fp32 reference: on the H200 the tiny fp32 model's logits moved by
-    0.14-0.19 (relative) through the kernels against 3.7e-6 through the reference."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation is None:
-        kernel_ok = jax.default_backend() == "gpu" and unsupported is None and jnp.dtype(dtype) == jnp.bfloat16
-        return "pallas" if kernel_ok else "reference"
-    if implementation == "pallas" and unsupported is not None:
-        raise ValueError(f"the Pallas kernel does not support this call: {unsupported}")
-    return implementation
-
-
 def _power_of_two(n, low, high):
     return low <= n <= high and n & (n - 1) == 0
 
@@ -298,7 +281,7 @@ def kda_chunk_scan(
     multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
     """
     _check_inputs(q, k, v, g, beta, initial_state, lengths)
-    if _pick(implementation, _scan_unsupported(q, v, chunk_size), q.dtype) == "reference":
+    if pick_implementation(implementation, _scan_unsupported(q, v, chunk_size), q.dtype, interpret=interpret) == "reference":
         return kda_chunk_scan_reference(q, k, v, g, beta, initial_state, chunk_size=chunk_size, lengths=lengths)
     b, t, h, dk = q.shape
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -361,7 +344,7 @@ def kda_decode_step(
         unsupported = f"head dim must be a power of two in [16, 128], got {d}"
     elif not _power_of_two(kernel, 2, 8):  # the conv state is written as [channels, K] blocks
         unsupported = f"the conv's width K must be 2, 4 or 8, got {kernel}"
-    if _pick(implementation, unsupported, qkv.dtype) == "reference":
+    if pick_implementation(implementation, unsupported, qkv.dtype, interpret=interpret) == "reference":
         return kda_decode_step_reference(
             qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, lower_bound=lower_bound
         )

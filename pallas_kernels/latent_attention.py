@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kda import _pick
+from pallas_kernels.common import pick_implementation
 from pallas_kernels.kda_chain import sm_count
 from pallas_kernels.query_blocks import map_query_blocks
 
@@ -250,7 +250,7 @@ def sparse_latent_attention(
     marking repeats). `interpret` runs the kernel in Pallas' interpreter.
     """
     _check(q_lat, latents, indices, latent_scales, page_table, config)
-    impl = _pick(implementation, _kernel_unsupported(q_lat, latents), q_lat.dtype)
+    impl = pick_implementation(implementation, _kernel_unsupported(q_lat, latents), q_lat.dtype, interpret=interpret)
     if impl == "reference":
         return sparse_latent_attention_reference(
             q_lat, latents, indices, scale=scale, latent_scales=latent_scales, page_table=page_table

@@ -13,8 +13,8 @@ two compute warpgroups split the columns and a third feeds them by TMA, pipeline
 (`emit_pipeline_warp_specialized`). On the H200 this simple form was 2-6% faster than one pipeline
 per SM across all its items over 64-row tiles in pairs (bench/RESULTS.md, twenty-third session).
 
-Dispatch (`implementation`): None picks "pallas" on a GPU backend for bf16 operands, else
-"reference"; "pallas" with `interpret=True` runs the kernel in Pallas' interpreter (CPU tests).
+Dispatch (`implementation`, `interpret`): as `pallas_kernels.common.pick_implementation` says, the
+kernel for bf16 operands on a GPU (or in Pallas' interpreter with `interpret=True`), else the reference.
 """
 
 import dataclasses
@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda import _pick
+from pallas_kernels.common import pick_implementation
 from pallas_kernels.kda_chain import sm_count
 
 
@@ -110,7 +110,7 @@ def _kernel_unsupported(dtype, weights, config: GemmConfig):
     return None
 
 
-def plan(implementation, x, weights, *, rows: int):
+def plan(implementation, x, weights, *, rows: int, interpret=False):
     """(implementation, GemmConfig) for the grouped GEMMs of one MoE call: x [.., K] the tokens, weights
     the [G, K, N] operands the rows go through, `rows` tokens x experts per token.
 
@@ -121,7 +121,10 @@ def plan(implementation, x, weights, *, rows: int):
     experts = weights[0].shape[0]
     block_cols = 256 if all(w.shape[2] % 256 == 0 for w in weights) else 128
     config = GemmConfig(block_rows=128 if rows > 64 * experts else 64, block_cols=block_cols)
-    picks = {_pick(implementation, _kernel_unsupported(x.dtype, w, config), x.dtype) for w in weights}
+    picks = {
+        pick_implementation(implementation, _kernel_unsupported(x.dtype, w, config), x.dtype, interpret=interpret)
+        for w in weights
+    }
     if picks == {"pallas"}:
         return "pallas", config
     return "reference", GemmConfig(block_rows=1)
@@ -226,7 +229,7 @@ def grouped_matmul(
     runs the kernel in Pallas' interpreter.
     """
     _check(x, weights, tile_experts, used_tiles)
-    impl = _pick(implementation, _kernel_unsupported(x.dtype, weights, config), x.dtype)
+    impl = pick_implementation(implementation, _kernel_unsupported(x.dtype, weights, config), x.dtype, interpret=interpret)
     if impl == "reference":
         return grouped_matmul_reference(x, weights, tile_experts, used_tiles)
     if x.shape[0] != tile_experts.shape[0] * config.block_rows:

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kda import _pick
+from pallas_kernels.common import pick_implementation
 from pallas_kernels.query_blocks import map_query_blocks
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -329,7 +329,7 @@ def select_tokens(
     if pool_keys.shape[1] * pool_size > s:
         raise ValueError(f"{pool_keys.shape[1]} pools of {pool_size} do not fit in {s} keys")
     kw = dict(index_topk=index_topk, pool_size=pool_size, select_tail=select_tail)
-    if _pick(implementation, _kernel_unsupported(q_idx, pool_keys), q_idx.dtype) == "reference":
+    if pick_implementation(implementation, _kernel_unsupported(q_idx, pool_keys), q_idx.dtype, interpret=interpret) == "reference":
         return select_tokens_reference(q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)
     block = max(QUERY_BLOCK, KERNEL_BLOCK_SCORES // max(pool_keys.shape[1], 1) // QUERY_BLOCK * QUERY_BLOCK)
     scores = functools.partial(candidate_scores_kernel, interpret=interpret)

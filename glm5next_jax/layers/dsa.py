@@ -67,19 +67,19 @@ def latent_output(p, o_lat):
     return linear(o_lat.reshape(*o_lat.shape[:-2], -1), p["o_absorb"])
 
 
-def attend_selected(p, q_resid, latents, indices, config, implementation, **pages):
+def attend_selected(p, q_resid, latents, indices, config, implementation, interpret, **pages):
     """o_lat [B, T, H, R]: each query over its selected latents ([B, S, R], or a cache's pages with
     `page_table` and `latent_scales`). A selection is distinct by construction (whole disjoint pools,
     then the tail after the last of them)."""
     return sparse_latent_attention(
         latent_query(p, q_resid, config), latents, indices, scale=config.qk_head_dim**-0.5,
-        implementation=implementation, distinct_indices=True, **pages,
+        implementation=implementation, interpret=interpret, distinct_indices=True, **pages,
     )
 
 
-def indexer_select(p, h, q_resid, key_valid, config, implementation=None):
+def indexer_select(p, h, q_resid, key_valid, config, implementation=None, interpret=False):
     """The indexer over a whole sequence: selected key indices [B, T, W] (-1 padded) per query;
-    `implementation` picks the selection's kernels (as in `select_tokens`)."""
+    `implementation` and `interpret` pick the selection's kernels (as in `select_tokens`)."""
     b, t = h.shape[:2]
     k_idx, gate = indexer_keys(p, h)
     return select_tokens(
@@ -92,26 +92,27 @@ def indexer_select(p, h, q_resid, key_valid, config, implementation=None):
         pool_size=config.index_kpool,
         select_tail=config.index_kpool_always_select_tail,
         implementation=implementation,
+        interpret=interpret,
     )
 
 
-def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None):
+def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None, interpret=False):
     """Uncached DSA sublayer. h [B, T, D]; key_valid [B, T] bool (the padding mask).
 
     A "full" layer (p has an indexer) selects its tokens; a "shared" layer takes `shared_indices`
-    from the preceding full layer. `implementation` picks the kernels of the token selection and of
-    the latent attention (as in `forward`).
+    from the preceding full layer. `implementation` and `interpret` pick the kernels of the token
+    selection and of the latent attention (as in `forward`).
     Returns (y [B, T, D], selected indices [B, T, W]).
     """
     q_resid = rms_norm(linear(h, p["q_a_proj"]), p["q_a_norm"], config.rms_norm_eps)
     latents = rms_norm(linear(h, p["kv_a_proj"]), p["kv_a_norm"], config.rms_norm_eps)
     if "indexer" in p:
-        indices = indexer_select(p["indexer"], h, q_resid, key_valid, config, implementation)
+        indices = indexer_select(p["indexer"], h, q_resid, key_valid, config, implementation, interpret)
     elif shared_indices is None:
         raise ValueError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
     else:
         indices = shared_indices
-    o_lat = attend_selected(p, q_resid, latents, indices, config, implementation)
+    o_lat = attend_selected(p, q_resid, latents, indices, config, implementation, interpret)
     return latent_output(p, o_lat), indices
 
 
@@ -133,9 +134,11 @@ def complete_pools(layer_cache, page_table, ape, start, end, n_new):
     return pool_keys_cache.at[batch, jnp.where(done, pool, max_pools)].set(keys.astype(pool_keys_cache.dtype), mode="drop")
 
 
-def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared_indices=None, implementation=None):
+def dsa_layer_cached(
+    p, h, config, layer_cache, page_table, start, valid, shared_indices=None, implementation=None, interpret=False
+):
     """DSA over new tokens appended to the cache. h [B, T, D]; start [B] tokens already cached;
-    valid [B, T] marks each row's new tokens (a prefix); `implementation` as in `dsa_layer`.
+    valid [B, T] marks each row's new tokens (a prefix); `implementation`, `interpret` as in `dsa_layer`.
     Returns (y, new layer cache, indices)."""
     b, t = h.shape[:2]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
@@ -162,6 +165,7 @@ def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared
             pool_size=config.index_kpool,
             select_tail=config.index_kpool_always_select_tail,
             implementation=implementation,
+            interpret=interpret,
         )
         last = jnp.clip(end - start - 1, 0, t - 1)
         rows = jnp.take_along_axis(indices, last[:, None, None], axis=1)[:, 0]
@@ -173,7 +177,7 @@ def dsa_layer_cached(p, h, config, layer_cache, page_table, start, valid, shared
         indices = shared_indices
     # The attention reads only the selected rows, through the page table, dequantising them itself.
     o_lat = attend_selected(
-        p, q_resid, lc["latent"], indices, config, implementation,
+        p, q_resid, lc["latent"], indices, config, implementation, interpret,
         page_table=page_table, latent_scales=lc.get("latent_scale"),
     )
     return latent_output(p, o_lat), lc, indices

@@ -60,14 +60,17 @@ def scan_implementation(config, implementation):
     return "reference"
 
 
-def kda_layer(p, h, config, padding_mask=None, implementation=None):
+def kda_layer(p, h, config, padding_mask=None, implementation=None, interpret=False):
     """Uncached KDA sublayer over a whole sequence. h [B, T, D]; padding_mask [B, T] zeroes pad rows.
 
-    implementation: None (Pallas on GPU, else the reference), "reference" or "pallas"."""
+    implementation: None (Pallas on GPU, else the reference), "reference" or "pallas"; interpret runs
+    the kernels in Pallas' interpreter (`pallas_kernels.common.pick_implementation`)."""
     if padding_mask is not None:
         h = h * padding_mask[..., None].astype(h.dtype)
     q, k, v, g, beta, _ = kda_inputs(p, h, config)
-    o, _ = kda_core.kda_chunk_scan(q, k, v, g, beta, implementation=scan_implementation(config, implementation))
+    o, _ = kda_core.kda_chunk_scan(
+        q, k, v, g, beta, implementation=scan_implementation(config, implementation), interpret=interpret
+    )
     return kda_output(p, h, o, config)
 
 
@@ -80,7 +83,7 @@ def roll_conv_state(conv_state, x, n_new):
     return jnp.moveaxis(jnp.take_along_axis(history, window, axis=1), 1, -1)
 
 
-def kda_layer_cached(p, h, config, layer_cache, valid, implementation=None):
+def kda_layer_cached(p, h, config, layer_cache, valid, implementation=None, interpret=False):
     """KDA over new tokens appended to a live state. h [B, T, D]; valid [B, T] marks each row's new
     tokens (a prefix of the row). Padding rows neither decay nor update the state (g = 0, beta = 0),
     and the conv state keeps each row's own last K inputs. Returns (y, new layer cache)."""
@@ -93,12 +96,13 @@ def kda_layer_cached(p, h, config, layer_cache, valid, implementation=None):
     g = jnp.where(valid[..., None, None], gate_log_decay(p, h, config), 0.0)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(h, p["b_proj"])), 0)
     o, state = kda_core.kda_chunk_scan(
-        q, k, v, g, beta, layer_cache["state"], implementation=scan_implementation(config, implementation)
+        q, k, v, g, beta, layer_cache["state"], implementation=scan_implementation(config, implementation),
+        interpret=interpret,
     )
     return kda_output(p, h, o, config), {"conv": conv_state, "state": state}
 
 
-def kda_layer_decode(p, h, config, layer_cache, implementation=None):
+def kda_layer_decode(p, h, config, layer_cache, implementation=None, interpret=False):
     """One new token per sequence (h [B, 1, D]) through the fused decode step."""
     o, conv_state, state = kda_core.kda_decode_step(
         linear(h[:, 0], p["qkv_proj"]),
@@ -111,5 +115,6 @@ def kda_layer_decode(p, h, config, layer_cache, implementation=None):
         layer_cache["state"],
         lower_bound=config.linear_lower_bound,
         implementation=implementation,
+        interpret=interpret,
     )
     return kda_output(p, h, o[:, None], config), {"conv": conv_state, "state": state}

@@ -77,7 +77,9 @@ def moe(p, x, config, implementation=None, interpret=False):
     group_sizes = jnp.bincount(flat_experts, length=config.n_routed_experts).astype(jnp.int32)
     gate_up = p["experts_gate_up"]
     gate_up = gate_up.reshape(*gate_up.shape[:2], -1)
-    implementation, gemm = moe_gemm.plan(implementation, tokens, (gate_up, p["experts_down"]), rows=order.shape[0])
+    implementation, gemm = moe_gemm.plan(
+        implementation, tokens, (gate_up, p["experts_down"]), rows=order.shape[0], interpret=interpret
+    )
     # Rows sorted by expert, each expert's starting a tile of the kernel's (one row: packed, for the
     # reference); padding slots read token 0 and their outputs are never gathered.
     tiles = moe_gemm.expert_tiles(group_sizes, order.shape[0], gemm.block_rows)
