@@ -55,6 +55,8 @@ def init_cache(
     if max_len % page_size:
         raise ValueError(f"max_len ({max_len}) must be a multiple of page_size ({page_size})")
     rows = config.select_width if select_rows is None else select_rows
+    if DSA not in config.layer_types:
+        page_size = 1  # nothing is paged; the page table's width then says max_len (see `page_size`)
     pages = max_len // page_size
     n_pages = batch * pages
     c = config

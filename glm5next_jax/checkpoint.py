@@ -251,6 +251,8 @@ def read_moe(r: Reader, L: str, c: Config):
     }
     if c.n_shared_experts > 0:
         out["shared"] = read_dense_mlp(r, m + "shared_experts.", c, i * c.n_shared_experts)
+    elif r.has(m + "shared_experts.gate_proj.weight"):  # transformers keeps a zero-width one: it adds nothing
+        read_dense_mlp(r, m + "shared_experts.", c, 0)
     return out
 
 
