@@ -1,11 +1,16 @@
 """Make the small HF-format GLM-5-Next checkpoints with transformers (run in the reference env).
 
     python checkpoints/make_tiny.py checkpoints/glm5next-tiny
+    python checkpoints/make_tiny.py checkpoints/glm5next-tiny-kernels --shape kernels --seed 1
+
+glm5next-tiny is the released structure at toy width; glm5next-tiny-kernels has widths that every
+Pallas kernel takes (KDA head dim 64, latent width 64, MoE widths the grouped GEMM's blocks divide),
+so the model runs end to end through the kernels in Pallas' interpreter.
 
 transformers' own initialisation leaves several parameters at constants (ape zeros, compress gate
 ones, router bias zeros, A_log zeros, mHC base zeros and scale ones); `randomise_special` draws
 them at random so that every code path carries a signal. Weights are stored in bf16 like the
-released checkpoint. `tiny_text_config(**overrides)` is shared with tests/reference/make_goldens.py.
+released checkpoint. `build` is shared with tests/reference/make_goldens.py.
 """
 
 import argparse
@@ -47,8 +52,24 @@ TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, o
                    projection_intermediate_size=32)
 
 
-def tiny_text_config(**overrides):
-    return {**TINY_TEXT, **overrides}
+# Widths every kernel takes, in three layers: KDA (scan: head dim 64 or 128), a full DSA layer and the
+# shared one after it (latent width 64; indexer heads of 32), MoEs of 16 experts of 64 rows of a
+# 128-wide hidden state (the grouped GEMM's 64-row tiles, 64-deep K blocks and 128-wide column blocks).
+KERNELS_TEXT = dict(
+    TINY_TEXT,
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse"],
+    indexer_types=["full", "full", "shared"],
+    moe_intermediate_size=64,
+    linear_num_heads=2,
+    linear_head_dim=64,
+)
+SHAPES = {"tiny": TINY_TEXT, "kernels": KERNELS_TEXT}
+
+
+def tiny_text_config(shape="tiny", **overrides):
+    return {**SHAPES[shape], **overrides}
 
 
 @torch.no_grad()
@@ -78,8 +99,10 @@ def randomise_special(model, seed):
             draw(b, -0.1, 0.1)
 
 
-def build(text_overrides=None, seed=0):
-    config = Glm5NextConfig(text_config=tiny_text_config(**(text_overrides or {})), vision_config=TINY_VISION)
+def build(text_overrides=None, seed=0, shape="tiny"):
+    text = tiny_text_config(shape, **(text_overrides or {}))
+    tied = text.get("tie_word_embeddings", False)  # read by the multimodal model from its top level
+    config = Glm5NextConfig(text_config=text, vision_config=TINY_VISION, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration(config).eval()
     randomise_special(model, seed + 1)
@@ -89,10 +112,11 @@ def build(text_overrides=None, seed=0):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="output directory")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the base text config")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overrides", default="{}", help="JSON dict of text-config overrides")
     args = parser.parse_args()
-    model = build(json.loads(args.overrides), args.seed).to(torch.bfloat16)
+    model = build(json.loads(args.overrides), args.seed, args.shape).to(torch.bfloat16)
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, max_shard_size="1MB")
     n = sum(p.numel() for k, p in model.state_dict().items() if "visual" not in k)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import relative_error
+from conftest import relative_error, traced_kernels
 
 from pallas_kernels import kda, kda_chain, kda_decode, kda_intra, kda_triton
 
@@ -37,8 +37,16 @@ def scan_inputs(seed, b, t, h, d, *, gate="random"):
     return q, k, v, g, beta
 
 
+SCAN_KERNELS = {"kda_intra": 1, "kda_chain": 1}
+FUSED_DECODE_KERNELS = {"kda_decode_step": 1}
+TWO_KERNEL_DECODE_KERNELS = {"kda_decode_token_vectors": 1, "kda_decode_update": 1}
+
+
 def pallas_scan(*args, **kwargs):
-    return kda.kda_chunk_scan(*args, implementation="pallas", interpret=True, **kwargs)
+    """The public scan with the kernels asked for, checked to reach them."""
+    run = lambda: kda.kda_chunk_scan(*args, implementation="pallas", interpret=True, **kwargs)  # noqa: E731
+    assert traced_kernels(run) == SCAN_KERNELS
+    return run()
 
 
 def assert_scan_matches(args, initial_state=None, lengths=None):
@@ -266,7 +274,9 @@ def test_chunk_scan_bf16_arrays():
 @pytest.mark.parametrize("b, h, d", [(3, 2, 16), (2, 2, 64), (1, 1, 128)])
 def test_decode_step_matches_reference(lower_bound, b, h, d):
     x = kda.random_decode_inputs(jax.random.key(d + b), b, h, d)
-    got = kda.kda_decode_step(**x, lower_bound=lower_bound, implementation="pallas", interpret=True)
+    run = lambda: kda.kda_decode_step(**x, lower_bound=lower_bound, implementation="pallas", interpret=True)  # noqa: E731
+    assert traced_kernels(run) == FUSED_DECODE_KERNELS
+    got = run()
     want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
     for name, a, r in zip(["o", "conv_state", "state"], got, want):
         assert a.shape == r.shape and a.dtype == r.dtype, name
@@ -352,6 +362,22 @@ def test_decode_update_refuses_unsupported_shapes():
         kda_decode.update_state(jnp.zeros((1, 1, 3, 64)), state, out_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="vectors must be float32"):
         kda_decode.update_state(vectors.astype(jnp.bfloat16), state, out_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "b, h, d, kernels",
+    [
+        (64, 64, 128, TWO_KERNEL_DECODE_KERNELS),  # a 256 MiB state: streamed through the Mosaic GPU update
+        (1, 64, 128, FUSED_DECODE_KERNELS),  # 4 MiB, mostly in L2: one fused kernel
+        (64, 64, 64, FUSED_DECODE_KERNELS),  # head dim 64: fused at every size
+    ],
+)
+def test_decode_step_dispatch_by_state_size(b, h, d, kernels):
+    """What the automatic choice launches on a GPU (the interpreter chooses as on one), by shapes alone."""
+    x = jax.eval_shape(lambda: kda.random_decode_inputs(jax.random.key(0), b, h, d))
+    step = lambda args: kda.kda_decode_step(**args, lower_bound=-5.0, interpret=True)  # noqa: E731
+    assert traced_kernels(step, x) == kernels
+    assert traced_kernels(lambda args: kda.kda_decode_step(**args, lower_bound=-5.0), x) == {}  # the CPU: reference
 
 
 def test_auto_dispatch_on_cpu_is_the_reference():

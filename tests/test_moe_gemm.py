@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import relative_error
+from conftest import relative_error, traced_kernels
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's findings
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -96,9 +96,11 @@ def test_kernel_matches_numpy_and_reference(sizes, k, n, config):
     x, w, tiles, x_tiled = tiled_operands(len(sizes) + k, sizes, k, n, config.block_rows)
     args = (x_tiled, w, tiles.tile_experts, tiles.used_tiles)
     # The race detector checks the pipeline: a slot refilled before the warpgroups are done with it.
-    out = moe_gemm.grouped_matmul(
+    run = lambda: moe_gemm.grouped_matmul(  # noqa: E731
         *args, implementation="pallas", config=config, interpret=plgpu.InterpretGPUParams(detect_races=True)
     )
+    assert traced_kernels(run) == {"moe_grouped_matmul": 1}
+    out = run()
     assert not gpu_callbacks.get_races().races_found
     ref = moe_gemm.grouped_matmul(*args, implementation="reference")
     assert out.shape == ref.shape == (x_tiled.shape[0], n) and out.dtype == jnp.bfloat16
@@ -117,14 +119,16 @@ def moe_params(seed, d, width, experts):
     )
 
 
-@pytest.mark.parametrize("tokens", [pytest.param(1, marks=pytest.mark.slow), 37 * 3])
+@pytest.mark.parametrize("tokens", [1, 37 * 3])  # decode's shape (64-row tiles), prefill's
 def test_moe_layer_through_the_kernel_matches_the_reference(tokens):
     config = Config().replace(
         hidden_size=128, moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=0
     )
     p = moe_params(tokens, 128, 64, 16)
     x = jax.random.normal(jax.random.key(7), (1, tokens, 128), jnp.float32).astype(jnp.bfloat16)
-    got = mlp.moe(p, x, config, implementation="pallas", interpret=True)
+    run = lambda: mlp.moe(p, x, config, implementation="pallas", interpret=True)  # noqa: E731
+    assert traced_kernels(run) == {"moe_grouped_matmul": 2}  # gate_up, down
+    got = run()
     want = mlp.moe(p, x, config, implementation="reference")
     assert got.shape == x.shape and got.dtype == x.dtype
     assert relative_error(got, want) < TOLERANCE

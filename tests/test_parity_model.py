@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import SHIPPED, golden_case, load_model, model_path, record, relative_error
+from conftest import SHIPPED, bf16_report, golden_case, load_model, model_path, record, relative_error
 
 import glm5next_jax
 
@@ -12,6 +12,9 @@ MODEL_CASES = [
     "tiny_dense", "tiny_sparse", "tiny_left_pad", "tiny_right_pad", "tiny_one_token",
     "shared_left_pad", "shared_right_pad", "groups_left_pad", "groups_right_pad",
     "kpool16_left_pad", "kpool16_right_pad", "nobound_left_pad", "nobound_right_pad",
+    "tiny_long_left_pad", "tiny_long_right_pad", "kernels_left_pad", "kernels_right_pad",
+    *(f"{variant}_{side}_pad" for variant in ("kpool1", "notail", "tied", "hc3", "unnormed", "noshared", "conv3")
+      for side in ("left", "right")),
 ]
 
 
@@ -25,7 +28,7 @@ def run_case(goldens, case, dtype="float32", **config_changes):
 
 
 def test_manifest_lists_every_case(manifest):
-    assert sorted(manifest["cases"]) == sorted(MODEL_CASES + ["generate"])
+    assert sorted(manifest["cases"]) == sorted(MODEL_CASES + ["generate", "generate_bf16"])
     assert manifest["transformers"] == "5.23.0" and manifest["torch"].startswith("2.13.0")
 
 
@@ -53,17 +56,23 @@ def test_dense_case_is_dense(goldens):
     assert relative_error(dense, data["logits"]) < FP32_TOLERANCE
 
 
-@pytest.mark.parametrize("case", ["tiny_dense", "tiny_sparse", "tiny_left_pad", "tiny_right_pad", "tiny_one_token"])
-def test_bf16_logits_as_close_to_fp32_as_transformers_bf16(goldens, case):
-    """bf16 params and activations against the fp32 reference, next to transformers' own bf16 run.
+# The typical bf16 token's error, over max |fp32 logit|, at about twice the largest measured (ours
+# 0.020-0.077 on the shipped checkpoint, where bf16 flips a choice upstream of most tokens of its 8
+# layers; 0.0097-0.0113 on the 3-layer kernels checkpoint, where most tokens see rounding alone).
+BF16_LIMITS = {"shipped": 0.16, "kernels": 0.025}
 
-    On a random checkpoint bf16 rounding flips discrete choices (a token's experts, a query's pools)
-    whose margins are small, so neither implementation stays near 2e-2 of fp32 over a whole
-    sequence; we require ours to be no worse than 1.5x transformers' bf16 error. The layer tests
-    check the bf16 numerics within 2e-2 where the choices agree.
-    """
+
+@pytest.mark.parametrize(
+    "case",
+    ["tiny_dense", "tiny_sparse", "tiny_left_pad", "tiny_right_pad", "tiny_one_token", "tiny_long_left_pad",
+     "kernels_left_pad", "kernels_right_pad"],
+)
+def test_bf16_logits_against_transformers_bf16(goldens, case):
+    """bf16 params and activations (the references) against the fp32 reference, beside transformers'
+    own bf16 run (`conftest.Bf16Report`); tests/test_model_kernels.py does the same through the kernels."""
     logits, data = run_case(goldens, case, dtype="bfloat16")
-    real = data["mask"].astype(bool)
-    ours = record(f"bf16 {case} (ours)", relative_error(logits, data["logits"], real))
-    theirs = record(f"bf16 {case} (transformers bf16)", relative_error(data["logits_bf16"], data["logits"], real))
-    assert ours <= 1.5 * theirs
+    report = bf16_report(logits, data, data["mask"].astype(bool))
+    record(f"bf16 {case}: typical token (ours)", report.ours)
+    record(f"bf16 {case}: typical token (transformers bf16)", report.theirs)
+    report.check()
+    assert report.ours < BF16_LIMITS[str(data["model"])]

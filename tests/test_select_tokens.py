@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import traced_kernels
+
 from pallas_kernels import select_tokens as st
 from pallas_kernels.select_tokens import pool_scores, select_tokens, visible_key_counts
 
@@ -164,7 +166,9 @@ def test_selection_through_the_kernel_is_the_references(name):
     q, w, keys, mask, positions = kernel_case(len(name) + 1, b, t, n_pools, pool, first_query, nh=nh, holes=holes)
     kw = dict(index_topk=8 * pool, pool_size=pool)
     want = st.select_tokens(q, w, keys, mask, positions, implementation="reference", **kw)
-    got = st.select_tokens(q, w, keys, mask, positions, implementation="pallas", interpret=True, **kw)
+    run = lambda: st.select_tokens(q, w, keys, mask, positions, implementation="pallas", interpret=True, **kw)  # noqa: E731
+    assert traced_kernels(run) == {"candidate_pool_scores": 1, "top_pools": 1}
+    got = run()
     # The top-k kernel keeps each row's pools in their order, the reference best first.
     np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
     assert (np.asarray(want) >= 0).any()

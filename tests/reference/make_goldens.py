@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
 from make_tiny import build  # noqa: E402
 
 SHIPPED = os.path.join(ROOT, "checkpoints", "glm5next-tiny")
+KERNELS = os.path.join(ROOT, "checkpoints", "glm5next-tiny-kernels")
 
 # Variant models: text-config overrides of checkpoints/make_tiny.py's tiny config.
 VARIANTS = {
@@ -41,23 +42,37 @@ VARIANTS = {
     "kpool16": dict(index_kpool=16, index_topk=64),
     # No gate lower bound: the softplus forget gate.
     "nobound": dict(linear_lower_bound=None),
+    # One config branch each, at rows past the selection reference's 256-query blocks.
+    "kpool1": dict(index_kpool=1),  # pools of one token: no tail
+    "notail": dict(index_kpool_always_select_tail=False),
+    "tied": dict(tie_word_embeddings=True),
+    "hc3": dict(hc_mult=3),
+    "unnormed": dict(norm_topk_prob=False),
+    "noshared": dict(n_shared_experts=0),
+    "conv3": dict(linear_conv_kernel_dim=3),
 }
+VARIANT_LENGTHS = {"shared": 120, "groups": 120, "kpool16": 200, "nobound": 120}  # the rest: LONG_ROWS
+LONG_ROWS = 384
 
 
 # A discrete choice (experts of a token, pools of a query) whose last kept and first dropped
-# candidates score closer than this can flip under fp32 rounding alone, and an exact tie is broken
-# in an implementation-defined order; inputs that produce one are re-drawn.
+# candidates score closer than this, relative to the largest score of their row, can flip under
+# fp32 rounding alone, and an exact tie is broken in an implementation-defined order; inputs that
+# produce one are re-drawn. Relative, because the indexer's scores are small and shrink as rows grow.
 MIN_DECISION_MARGIN = 1e-5
 
 
 def _boundary_gap(scores, k, rows):
-    """Gap between the k-th and (k+1)-th best score of each selected row (rows with > k candidates)."""
+    """Smallest gap between the k-th and (k+1)-th best score of the selected rows (those with more than
+    k candidates), relative to the row's largest |score|."""
     finite = torch.isfinite(scores) & (scores > torch.finfo(scores.dtype).min)
     rows = rows & (finite.sum(-1) > k)
     if not rows.any():
         return float("inf")
-    top = scores[rows].topk(k + 1, dim=-1).values
-    return float((top[:, k - 1] - top[:, k]).min())
+    candidates = scores[rows]
+    top = candidates.topk(k + 1, dim=-1).values
+    scale = torch.where(finite[rows], candidates.abs(), 0.0).amax(-1).clamp_min(torch.finfo(scores.dtype).tiny)
+    return float(((top[:, k - 1] - top[:, k]) / scale).min())
 
 
 def _indexer_scores(indexer, hidden, q_resid, mask):
@@ -110,7 +125,7 @@ def draw_ids(gen, model, mask):
         ids = torch.randint(2, vocab, tuple(mask.shape), generator=gen)
         if min_decision_margin(model, ids, mask) > MIN_DECISION_MARGIN:
             return ids
-    raise RuntimeError("could not draw inputs without near-ties in routing or token selection")
+    raise RuntimeError(f"could not draw inputs of shape {tuple(mask.shape)} without near-ties in routing or token selection")
 
 
 def padded_mask(lengths, total, side):
@@ -138,15 +153,19 @@ def save_case(out, name, model_name, model, ids, mask, bf16_model=None):
     return name
 
 
+def load(path, dtype):
+    return Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+
+
 def model_cases(out):
     cases = []
     gen = torch.Generator().manual_seed(1234)
-    base = Glm5NextForConditionalGeneration.from_pretrained(SHIPPED, dtype=torch.float32).eval()
-    base_bf16 = Glm5NextForConditionalGeneration.from_pretrained(SHIPPED, dtype=torch.bfloat16).eval()
+    base, kernels = load(SHIPPED, torch.float32), load(KERNELS, torch.float32)
+    bf16_copies = {id(base): load(SHIPPED, torch.bfloat16), id(kernels): load(KERNELS, torch.bfloat16)}
     ones = lambda b, t: torch.ones(b, t, dtype=torch.long)  # noqa: E731
 
     def case(name, model_name, model, mask):
-        bf16 = base_bf16 if model is base else None
+        bf16 = bf16_copies.get(id(model))
         cases.append(save_case(out, name, model_name, model, draw_ids(gen, model, mask), mask, bf16))
 
     # Dense regime: 35 = index_topk + pool - 1 visible tokens at most, so DSA equals dense attention.
@@ -156,6 +175,12 @@ def model_cases(out):
     case("tiny_left_pad", "shipped", base, padded_mask([100, 73, 41], 100, "left"))
     case("tiny_right_pad", "shipped", base, padded_mask([100, 66, 38], 100, "right"))
     case("tiny_one_token", "shipped", base, ones(2, 1))
+    # Rows past the selection reference's 256-query blocks: 600 tokens, 149 pools, 3 KDA chunks + 24.
+    case("tiny_long_left_pad", "shipped", base, padded_mask([600, 463], 600, "left"))
+    case("tiny_long_right_pad", "shipped", base, padded_mask([517, 600], 600, "right"))
+    # The checkpoint whose widths every kernel takes: 2 KDA chunks, 25 pools, sparse.
+    case("kernels_left_pad", "kernels", kernels, padded_mask([100, 71], 100, "left"))
+    case("kernels_right_pad", "kernels", kernels, padded_mask([83, 100], 100, "right"))
 
     # The shipped checkpoint again, in transformers' in-memory naming (a state_dict, two shards).
     inmem = os.path.join(out, "models", "shipped-inmemory")
@@ -173,7 +198,7 @@ def model_cases(out):
     for seed, (name, overrides) in enumerate(VARIANTS.items(), start=10):
         model = build(overrides, seed=seed)
         model.save_pretrained(os.path.join(out, "models", name))
-        length = 200 if name == "kpool16" else 120
+        length = VARIANT_LENGTHS.get(name, LONG_ROWS)
         case(f"{name}_left_pad", name, model, padded_mask([length, length - 37], length, "left"))
         case(f"{name}_right_pad", name, model, padded_mask([length - 29, length], length, "right"))
     return cases
@@ -209,6 +234,49 @@ def generation_case(out):
     np.savez(os.path.join(out, "cases", "generate.npz"), ids=ids.numpy(), mask=mask.numpy(),
              new_tokens=tokens[:, mask.shape[1]:].numpy(), greedy_margin=greedy_margin)
     return "generate"
+
+
+@torch.no_grad()
+def bf16_generation_case(out):
+    """transformers' own greedy generation in bf16, on the kernels checkpoint: 12 new tokens for 2
+    prompts of different lengths. A step is clear of bf16 rounding when the fp32 model's argmax on
+    the same sequence leads its runner-up by more than twice the largest move of any logit between
+    transformers' fp32 and bf16 forwards there (any bf16 implementation about as accurate then makes
+    the same choice). Drawn so that every clear step's token is that argmax and each row's first
+    MIN_CLEAR_STEPS steps are clear; saves the fp32 logits along the sequence, margins and moves."""
+    from transformers import GenerationConfig
+
+    model, model_bf16 = load(KERNELS, torch.float32), load(KERNELS, torch.bfloat16)
+    gen = torch.Generator().manual_seed(78)
+    lengths, new, min_clear_steps = [19, 30], 12, 3
+    width = max(lengths)
+    mask = padded_mask(lengths, width, "left")
+    eos = model.config.text_config.eos_token_id
+    settings = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+    for _ in range(200):
+        ids = torch.randint(2, model.config.text_config.vocab_size, tuple(mask.shape), generator=gen)
+        tokens = model_bf16.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
+        new_tokens = tokens[:, width:]
+        if new_tokens.shape[1] != new or (new_tokens == eos).any():
+            continue
+        full_mask = torch.cat([mask, torch.ones(2, new, dtype=torch.long)], dim=1)
+        fp32 = model(input_ids=tokens, attention_mask=full_mask).logits[:, width - 1 : -1].float()
+        bf16 = model_bf16(input_ids=tokens, attention_mask=full_mask).logits[:, width - 1 : -1].float()
+        top2 = fp32.topk(2, dim=-1).values
+        margin = top2[..., 0] - top2[..., 1]
+        move = (bf16 - fp32).abs().amax(-1)
+        clear = margin > 2 * move
+        if (
+            clear[:, :min_clear_steps].all()
+            and (fp32.argmax(-1) == new_tokens)[clear].all()
+            and min_decision_margin(model, tokens, full_mask) > MIN_DECISION_MARGIN
+        ):
+            break
+    else:
+        raise RuntimeError("no bf16 generation whose first steps are clear of bf16 rounding")
+    np.savez(os.path.join(out, "cases", "generate_bf16.npz"), ids=ids.numpy(), mask=mask.numpy(),
+             new_tokens=new_tokens.numpy(), logits=fp32.numpy(), margin=margin.numpy(), move=move.numpy())
+    return "generate_bf16"
 
 
 def state_of(module, prefix):
@@ -293,7 +361,7 @@ def main():
     manifest = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cases": model_cases(out) + [generation_case(out)],
+        "cases": model_cases(out) + [generation_case(out), bf16_generation_case(out)],
         "layers": layer_cases(out),
     }
     with open(os.path.join(out, "manifest.json"), "w") as f:
