@@ -4,7 +4,7 @@ Each mutation edits one line of a copy of the working tree (the tracked files, w
 the reference env linked in) and runs the tests named for it there; a mutation is caught when they
 fail. Prints one line a mutation and exits non-zero if any went uncaught.
 
-    .venv/bin/python scripts/mutations.py            # all of them (about 15 minutes on 2 cores)
+    .venv/bin/python scripts/mutations.py            # all of them (about 5 minutes on 2 cores)
     .venv/bin/python scripts/mutations.py --list
     .venv/bin/python scripts/mutations.py "fallback to the reference" ...
 """
