@@ -19,9 +19,11 @@ data, so a caller may remap pages. Writes past a sequence's pages are dropped, n
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from .config import DSA, Config
+from .sharding import check_divisible
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
@@ -37,12 +39,15 @@ def init_cache(
     page_size: int = 64,
     dtype="bfloat16",
     select_rows: int | None = None,
+    layout=None,
 ):
     """An empty cache for `batch` sequences of up to `max_len` tokens.
 
     latent_dtype: "bfloat16", "float32" or "float8_e4m3fn" (with a per-token fp32 scale).
     dtype: the activation dtype of the params the cache will serve (KDA conv state, indexer keys).
     select_rows: rows of the selection workspace (default index_topk + kpool - 1).
+    layout (`sharding.Layout`): places every entry by `cache_axes` (batch rows, and the pages of
+    those rows, as the layout splits "batch"; KDA state and conv channels by head as "kda_heads").
     """
     latent_dtype, dtype = jnp.dtype(latent_dtype), jnp.dtype(dtype)
     if latent_dtype not in LATENT_DTYPES:
@@ -80,15 +85,20 @@ def init_cache(
                 "state": jnp.zeros((batch, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim), jnp.float32),
             }
         layers.append(layer)
-    return {
+    cache = {
         "lengths": jnp.zeros((batch,), jnp.int32),
         "page_table": jnp.arange(n_pages, dtype=jnp.int32).reshape(batch, pages),
         "layers": layers,
     }
+    if layout is not None:
+        shardings = layout.shardings(cache_axes(cache))
+        check_divisible(cache, shardings)
+        cache = jax.device_put(cache, shardings)
+    return cache
 
 
 def cache_axes(cache):
-    """Logical axes of every cache array (for sharding.tree_shardings)."""
+    """Logical axes of every cache array (for `sharding.Layout.shardings`)."""
     names = {
         "lengths": ("batch",), "page_table": ("batch", None), "conv": ("batch", None, "kda_channels", None),
         "state": ("batch", "kda_heads", None, None), "latent": ("pages", None, "kv_lora"),

@@ -68,12 +68,14 @@ def generate(
     page_size: int = 64,
     implementation=None,
     interpret=False,
+    layout=None,
 ) -> Generation:
     """Generate up to max_new_tokens for each prompt (a list of token-id lists, lengths may differ).
 
     eos_token_id: an id or ids that end a sequence (default: the config's). callback(step, tokens,
     finished) is called after each step with the new token of every sequence ([B] numpy arrays);
-    returning True from it stops generation. implementation, interpret: as in `forward`.
+    returning True from it stops generation. implementation, interpret, layout: as in `forward` (the
+    cache is made on the layout's mesh).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -93,9 +95,12 @@ def generate(
     width = ids.shape[1]
     max_len = -(-(width + max_new_tokens) // page_size) * page_size
     cache = init_cache(
-        config, batch, max_len, latent_dtype=latent_dtype, page_size=page_size, dtype=params["embed_tokens"].dtype
+        config, batch, max_len, latent_dtype=latent_dtype, page_size=page_size, dtype=params["embed_tokens"].dtype,
+        layout=layout,
     )
-    logits, cache = prefill(params, config, ids, mask, cache, implementation=implementation, interpret=interpret)
+    logits, cache = prefill(
+        params, config, ids, mask, cache, implementation=implementation, interpret=interpret, layout=layout
+    )
     last = jnp.take_along_axis(logits, jnp.asarray(mask.sum(1) - 1)[:, None, None], axis=1)[:, 0]
 
     key = jax.random.key(seed)
@@ -112,5 +117,5 @@ def generate(
         if finished.all() or stop or step == max_new_tokens - 1:
             break
         # The cache has room for every step by construction, so the per-step host checks are skipped.
-        last, cache = decode_unchecked(params, config, tokens, cache, implementation, interpret)
+        last, cache = decode_unchecked(params, config, tokens, cache, implementation, interpret, layout)
     return Generation(tokens=out, finished=finished.tolist(), cache=cache)

@@ -19,9 +19,10 @@ from .config import DSA, Config
 from .layers.dsa import dsa_layer_cached
 from .layers.kda import kda_layer_cached, kda_layer_decode
 from .model import check_ids_in_range, check_token_batch, decoder_layer, embed, final_logits
+from .sharding import shard_batch
 
 
-def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, implementation, interpret):
+def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, implementation, interpret, layout):
     start = cache["lengths"]
     layers = []
     indices = None
@@ -30,46 +31,51 @@ def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, 
         def attend(pa, h, i=i, lc=lc, indices=indices):
             if config.layer_types[i] == DSA:
                 y, new_lc, idx = dsa_layer_cached(
-                    pa, h, config, lc, cache["page_table"], start, valid, indices, implementation, interpret
+                    pa, h, config, lc, cache["page_table"], start, valid, indices, implementation, interpret, layout
                 )
                 return y, (new_lc, idx)
             if decode:
-                y, new_lc = kda_layer_decode(pa, h, config, lc, implementation, interpret)
+                y, new_lc = kda_layer_decode(pa, h, config, lc, implementation, interpret, layout)
             else:
-                y, new_lc = kda_layer_cached(pa, h, config, lc, valid, implementation, interpret)
+                y, new_lc = kda_layer_cached(pa, h, config, lc, valid, implementation, interpret, layout)
             return y, (new_lc, None)
 
-        streams, (lc, indices) = decoder_layer(p, streams, config, i, attend, implementation, interpret)
+        streams, (lc, indices) = decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
         layers.append(lc)
     new_cache = dict(cache, lengths=start + valid.sum(-1, dtype=jnp.int32), layers=layers)
+    if layout is not None:  # the cache keeps its placement from step to step
+        new_cache = jax.tree.map(layout.constrain, new_cache, cache_lib.cache_axes(new_cache))
     return streams, new_cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"))
-def _prefill(params, config: Config, ids, valid, offset, cache, implementation=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret", "layout"))
+def _prefill(params, config: Config, ids, valid, offset, cache, implementation=None, interpret=False, layout=None):
     streams = embed(params, ids, config)
-    streams, cache = _cached_layers(params, config, streams, cache, valid, False, implementation, interpret)
-    logits = final_logits(params, streams, config)
+    streams, cache = _cached_layers(params, config, streams, cache, valid, False, implementation, interpret, layout)
+    logits = final_logits(params, streams, config, layout)
     # Back to the caller's layout: compacted position i of row b was at offset[b] + i.
     t = ids.shape[1]
     back = (jnp.arange(t)[None] - offset[:, None]) % t
     return jnp.take_along_axis(logits, back[..., None], axis=1), cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"), donate_argnames="cache")
-def _decode(params, config: Config, token_ids, cache, implementation=None, interpret=False):
+@functools.partial(
+    jax.jit, static_argnames=("config", "implementation", "interpret", "layout"), donate_argnames="cache"
+)
+def _decode(params, config: Config, token_ids, cache, implementation=None, interpret=False, layout=None):
     streams = embed(params, token_ids[:, None], config)
     valid = jnp.ones(token_ids.shape + (1,), jnp.bool_)
-    streams, cache = _cached_layers(params, config, streams, cache, valid, True, implementation, interpret)
-    return final_logits(params, streams, config)[:, 0], cache
+    streams, cache = _cached_layers(params, config, streams, cache, valid, True, implementation, interpret, layout)
+    return final_logits(params, streams, config, layout)[:, 0], cache
 
 
-def prefill(params, config: Config, ids, attention_mask, cache, *, implementation=None, interpret=False):
+def prefill(params, config: Config, ids, attention_mask, cache, *, implementation=None, interpret=False, layout=None):
     """Append a chunk of tokens to every sequence of the cache; returns (logits [B, T, vocab], cache).
 
     ids [B, T]; attention_mask [B, T] of 0/1 (None: all 1), each row left- or right-padded. Rows
     may add different numbers of tokens (a row of zeros adds none). On an empty cache this is the
-    prompt prefill, on a live one a continuation prefill. implementation, interpret: as in `forward`.
+    prompt prefill, on a live one a continuation prefill. implementation, interpret, layout: as in
+    `forward` (the cache made by `init_cache` with the same layout).
     """
     check_token_batch(ids, attention_mask, config.vocab_size)
     ids = np.asarray(ids)
@@ -83,15 +89,14 @@ def prefill(params, config: Config, ids, attention_mask, cache, *, implementatio
     compact = (np.arange(ids.shape[1])[None] + offset[:, None]) % ids.shape[1]
     ids = np.take_along_axis(ids, compact, axis=1)
     valid = np.arange(ids.shape[1])[None] < n_new[:, None]
-    return _prefill(
-        params, config, jnp.asarray(ids, jnp.int32), jnp.asarray(valid), jnp.asarray(offset, jnp.int32), cache,
-        implementation, bool(interpret),
-    )
+    inputs = [np.asarray(ids, np.int32), valid, np.asarray(offset, np.int32)]
+    inputs = [jnp.asarray(x) if layout is None else shard_batch(x, layout) for x in inputs]
+    return _prefill(params, config, *inputs, cache, implementation, bool(interpret), layout)
 
 
-def decode_step(params, config: Config, token_ids, cache, *, implementation=None, interpret=False):
+def decode_step(params, config: Config, token_ids, cache, *, implementation=None, interpret=False, layout=None):
     """One token for each sequence: token_ids [B] (or [B, 1]) -> (logits [B, vocab], cache).
-    implementation, interpret: as in `forward`.
+    implementation, interpret, layout: as in `prefill`.
 
     The input cache's buffers are donated (updated in place on accelerators): use the returned one.
     """
@@ -102,12 +107,13 @@ def decode_step(params, config: Config, token_ids, cache, *, implementation=None
         raise ValueError(f"token_ids must be an integer array [B] or [B, 1], got {token_ids.dtype} {token_ids.shape}")
     check_ids_in_range(token_ids, config.vocab_size)
     check_cache(params, config, cache, token_ids.shape[0], np.ones(token_ids.shape[0], np.int64))
-    return decode_unchecked(params, config, jnp.asarray(token_ids, jnp.int32), cache, implementation, interpret)
+    return decode_unchecked(params, config, token_ids.astype(np.int32), cache, implementation, interpret, layout)
 
 
-def decode_unchecked(params, config: Config, token_ids, cache, implementation=None, interpret=False):
+def decode_unchecked(params, config: Config, token_ids, cache, implementation=None, interpret=False, layout=None):
     """decode_step without the host-side checks, for loops that have checked their own bounds."""
-    return _decode(params, config, token_ids, cache, implementation, bool(interpret))
+    token_ids = jnp.asarray(token_ids, jnp.int32) if layout is None else shard_batch(token_ids, layout)
+    return _decode(params, config, token_ids, cache, implementation, bool(interpret), layout)
 
 
 def check_cache(params, config: Config, cache, batch: int, n_new) -> None:

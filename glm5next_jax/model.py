@@ -12,14 +12,21 @@ from .layers.common import PRECISION, rms_norm
 from .layers.dsa import dsa_layer
 from .layers.kda import kda_layer
 from .layers.mlp import dense_mlp, moe
+from .sharding import shard_batch
 
 
-def decoder_layer(p, streams, config: Config, layer: int, attend, implementation=None, interpret=False):
+STREAMS = ("batch", "sequence", None, "embed")  # the mHC streams [B, T, hc_mult, D] between layers
+
+
+def decoder_layer(p, streams, config: Config, layer: int, attend, implementation=None, interpret=False, layout=None):
     """One layer: mHC around the attention sublayer, then around the MLP sublayer.
 
     attend(attn_params, h) -> (y, aux) runs the attention sublayer (cached or not, KDA or DSA);
-    implementation and interpret pick the MoE's grouped GEMM (as in `forward`); returns (streams, aux).
+    implementation and interpret pick the MoE's grouped GEMM (as in `forward`), layout its experts'
+    split; returns (streams, aux).
     """
+    if layout is not None:
+        streams = layout.constrain(streams, STREAMS)
     pre, post, comb = hyper.mapping(p["attn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["input_norm"], config.rms_norm_eps)
     y, aux = attend(p["attn"], h)
@@ -28,27 +35,32 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
     pre, post, comb = hyper.mapping(p["ffn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["post_attention_norm"], config.rms_norm_eps)
     if config.mlp_layer_types[layer] == "sparse":
-        y = moe(p["mlp"], h, config, implementation, interpret)
+        y = moe(p["mlp"], h, config, implementation, interpret, layout)
     else:
         y = dense_mlp(p["mlp"], h, config)
     return hyper.expand(post, comb, y, streams), aux
 
 
-def uncached_attention(config: Config, layer: int, padding_mask, shared_indices, implementation=None, interpret=False):
+def uncached_attention(
+    config: Config, layer: int, padding_mask, shared_indices, implementation=None, interpret=False, layout=None
+):
     """The attention sublayer of a whole-sequence forward; aux is the DSA selection (or None)."""
 
     def attend(p, h):
         if config.layer_types[layer] == DSA:
-            return dsa_layer(p, h, config, padding_mask, shared_indices, implementation, interpret)
-        return kda_layer(p, h, config, padding_mask, implementation, interpret), None
+            return dsa_layer(p, h, config, padding_mask, shared_indices, implementation, interpret, layout)
+        return kda_layer(p, h, config, padding_mask, implementation, interpret, layout), None
 
     return attend
 
 
-def final_logits(params, streams, config: Config):
+def final_logits(params, streams, config: Config, layout=None):
     """Mean of the streams, final RMSNorm, lm_head; logits in fp32."""
     x = rms_norm(streams.mean(axis=-2), params["norm"], config.rms_norm_eps)
-    return jnp.einsum("...d,dv->...v", x, params["lm_head"], precision=PRECISION, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,dv->...v", x, params["lm_head"], precision=PRECISION, preferred_element_type=jnp.float32)
+    if layout is not None:
+        logits = layout.constrain(logits, ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",))
+    return logits
 
 
 def embed(params, input_ids, config: Config):
@@ -56,31 +68,36 @@ def embed(params, input_ids, config: Config):
     return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], config.hc_mult, x.shape[-1]))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"))
-def _forward(params, config: Config, input_ids, attention_mask, implementation=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret", "layout"))
+def _forward(params, config: Config, input_ids, attention_mask, implementation=None, interpret=False, layout=None):
     padding_mask = attention_mask.astype(jnp.bool_)
     streams = embed(params, input_ids, config)
     indices = None
     for i, p in enumerate(params["layers"]):
-        attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret)
-        streams, indices = decoder_layer(p, streams, config, i, attend, implementation, interpret)
-    return final_logits(params, streams, config)
+        attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout)
+        streams, indices = decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
+    return final_logits(params, streams, config, layout)
 
 
-def forward(params, config: Config, input_ids, attention_mask=None, *, implementation=None, interpret=False):
+def forward(params, config: Config, input_ids, attention_mask=None, *, implementation=None, interpret=False, layout=None):
     """Logits [B, T, vocab] (fp32) for int token ids [B, T] and an optional 0/1 mask [B, T].
 
     Padding may be on the left or the right; padded positions get logits but they carry no meaning.
     implementation picks the kernels: None (Pallas where it applies on GPU, else the pure-jnp
     references), "reference" or "pallas"; interpret=True runs the kernels in Pallas' interpreter on any
     backend, None then choosing as on a GPU (`pallas_kernels.common.pick_implementation`).
+    layout (`sharding.Layout`): the mesh the params are placed on (`shard_params`); the batch is split
+    as its rules say, and every kernel runs on its own shards (None: one device).
     """
     check_token_batch(input_ids, attention_mask, config.vocab_size)
     input_ids = jnp.asarray(input_ids)
     if attention_mask is None or input_ids.shape[1] == 1:
         # transformers ignores the mask of a single-token input (a lone token is never padding).
         attention_mask = jnp.ones(input_ids.shape, jnp.bool_)
-    return _forward(params, config, input_ids.astype(jnp.int32), attention_mask, implementation, bool(interpret))
+    input_ids, attention_mask = input_ids.astype(jnp.int32), jnp.asarray(attention_mask)
+    if layout is not None:
+        input_ids, attention_mask = shard_batch(input_ids, layout), shard_batch(attention_mask, layout)
+    return _forward(params, config, input_ids, attention_mask, implementation, bool(interpret), layout)
 
 
 def check_token_batch(input_ids, attention_mask, vocab_size):

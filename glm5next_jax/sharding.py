@@ -1,13 +1,25 @@
-"""Explicit sharding: every parameter (and cache) dimension has a logical axis name; one rules table
-maps logical axes to mesh axes. One device is a mesh of one.
+"""Explicit sharding: every parameter, cache entry and activation boundary names its dimensions with
+logical axes; a `Layout` resolves them onto a mesh through flax's logical-axis rules
+(`flax.linen.logical_to_mesh_axes`: the rules are candidates in order of precedence, and a mesh axis
+serves at most one dimension of an array). One device is a mesh of one.
 
-The default table shards the vocabulary, KDA channels, DSA latent heads and MLP widths over
-"model" (tensor parallelism), experts over "expert" (expert parallelism) and the batch over "data".
-Mesh axes a mesh lacks are dropped, so the same table serves any mesh.
+Meshes have the axes ("data", "expert", "model"). The layouts are named presets of one rules table,
+`RULES`, each adding at most one candidate in front of it:
+- "tp": everything over "model": DSA and KDA heads, MLP and every expert's intermediate width, the
+  vocabulary; each device holds a slice of every expert.
+- "tp-ep": as "tp", but the routed experts whole, split over "model" (36 a device on 8 for the
+  released 288): the MoE moves tokens, never weights.
+- "dp-ep": attention and KDA data-parallel (batch over "data", their weights replicated), the routed
+  experts split over "data" (DeepSeek-style).
+- "3d": the table alone on a data x expert x model mesh (batch over data, experts over expert, heads
+  and widths over model).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -15,22 +27,87 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .config import Config
 from .params import param_axes
 
-DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
+MESH_AXES = ("data", "expert", "model")
+
+# Logical axes: batch, sequence, embed, vocab, kda_heads, kda_channels (heads x head_dim), heads
+# (DSA's), heads_latent (DSA heads x latent width), q_lora, kv_lora, index_heads_dim, mlp, experts,
+# expert_mlp, pages (the paged caches' first dimension: pages follow their sequences' batch rows).
+RULES: tuple[tuple[str, str], ...] = (
     ("batch", "data"),
+    ("pages", "data"),
     ("vocab", "model"),
-    ("embed", None),
-    ("kda_channels", "model"),
     ("kda_heads", "model"),
+    ("kda_channels", "model"),
+    ("heads", "model"),
     ("heads_latent", "model"),
-    ("q_lora", None),
-    ("kv_lora", None),
-    ("index_heads_dim", None),
     ("mlp", "model"),
     ("experts", "expert"),
     ("expert_mlp", "model"),
-    ("pages", None),
-    ("sequence", None),
 )
+LAYOUTS: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {  # name: (the mesh axis its devices form, rules)
+    "tp": ("model", RULES),
+    "tp-ep": ("model", (("experts", "model"),) + RULES),
+    "dp-ep": ("data", (("experts", "data"),) + RULES),
+}
+def is_axes(x) -> bool:
+    """A leaf of a logical-axes tree: one name (or None) per dimension of an array."""
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+LOGICAL_AXES = frozenset({"sequence", "embed", "q_lora", "kv_lora", "index_heads_dim"} | {name for name, _ in RULES})
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh and the rules that place logical axes on it; hashable (a static argument of jit)."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, str], ...] = RULES
+    name: str = "3d"
+
+    def spec(self, axes) -> PartitionSpec:
+        """The PartitionSpec of an array whose dimensions have these logical axes (None: replicated)."""
+        unknown = sorted({a for a in axes if a is not None and a not in LOGICAL_AXES})
+        if unknown:
+            raise ValueError(f"logical axes {unknown} have no rule; known: {sorted(LOGICAL_AXES)}")
+        # Mesh axes of one device split nothing: their rules give way to the next candidates.
+        present = tuple((name, axis) for name, axis in self.rules if self.mesh.shape.get(axis, 1) > 1)
+        return nn.logical_to_mesh_axes(tuple(axes), present)
+
+    def sharding(self, axes) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes))
+
+    def shardings(self, axes_tree):
+        """NamedShardings for a tree of logical-axis tuples."""
+        return jax.tree.map(self.sharding, axes_tree, is_leaf=is_axes)
+
+    def mesh_axes(self, name: str, array_axes=None) -> tuple[str, ...]:
+        """The mesh axes that the logical axis `name` is split over, in an array with these logical
+        axes (default: alone)."""
+        array_axes = (name,) if array_axes is None else tuple(array_axes)
+        entry = self.spec(array_axes)[array_axes.index(name)]
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+    def size(self, name: str, array_axes=None) -> int:
+        """How many parts the logical axis `name` is split into (in an array with these axes)."""
+        return int(np.prod([self.mesh.shape[a] for a in self.mesh_axes(name, array_axes)], dtype=int))
+
+    def constrain(self, x, axes):
+        """x with its sharding pinned by logical axes (inside jit)."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(axes))
+
+    def shard_map(self, fn, in_axes, out_axes):
+        """fn under `jax.shard_map` on this mesh, its arguments' and results' specs from logical axes
+        (trees of tuples, None for an argument that is None)."""
+        to_specs = lambda tree: jax.tree.map(self.spec, tree, is_leaf=is_axes)  # noqa: E731
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=to_specs(in_axes), out_specs=to_specs(out_axes), check_vma=False)
+
+
+def shard_mapped(layout: Layout | None, fn, in_axes, out_axes):
+    """fn under `shard_map` on the layout's mesh (its arguments and results split by logical axes), or
+    fn itself without a layout: how a kernel runs on its own shards, so that XLA never gathers its
+    inputs (an opaque call under a mesh would have them whole)."""
+    return fn if layout is None else layout.shard_map(fn, in_axes, out_axes)
 
 
 def make_mesh(data: int = 1, expert: int = 1, model: int | None = None, devices=None) -> Mesh:
@@ -40,37 +117,36 @@ def make_mesh(data: int = 1, expert: int = 1, model: int | None = None, devices=
         model = len(devices) // (data * expert)
     if data * expert * model != len(devices):
         raise ValueError(f"mesh data={data} x expert={expert} x model={model} != {len(devices)} devices")
-    return Mesh(np.array(devices).reshape(data, expert, model), ("data", "expert", "model"))
+    return Mesh(np.array(devices).reshape(data, expert, model), MESH_AXES)
 
 
-def logical_to_spec(axes, mesh: Mesh, rules=DEFAULT_RULES) -> PartitionSpec:
-    """PartitionSpec for one array's logical axes; a mesh axis is used at most once per array."""
-    table = dict(rules)
-    used = set()
-    spec = []
-    for name in axes:
-        mesh_axis = table.get(name) if name is not None else None
-        if name is not None and name not in table:
-            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
-        if mesh_axis is None or mesh_axis not in mesh.axis_names or mesh_axis in used:
-            spec.append(None)
-        else:
-            used.add(mesh_axis)
-            spec.append(mesh_axis)
-    return PartitionSpec(*spec)
+def make_layout(spec: str, devices=None) -> Layout:
+    """A layout from "NAME:N" (a preset over N devices: tp, tp-ep, dp-ep) or "3d:DxExM"; N or the
+    sizes default to every device. E.g. "tp-ep:8", "dp-ep", "3d:2x2x2"."""
+    name, _, sizes = spec.partition(":")
+    devices = list(jax.devices() if devices is None else devices)
+    if name == "3d":
+        dims = [int(s) for s in sizes.split("x")] if sizes else [1, 1, len(devices)]
+        if len(dims) != 3:
+            raise ValueError(f"a 3d layout takes data x expert x model sizes, e.g. '3d:2x2x2', got {spec!r}")
+        n = int(np.prod(dims))
+        return Layout(make_mesh(*dims, devices=devices[:n]), RULES, "3d")
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown layout {name!r}; presets: {sorted(LAYOUTS) + ['3d']}")
+    n = int(sizes) if sizes else len(devices)
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"layout {spec!r} asks for {n} devices; {len(devices)} are available")
+    axis, rules = LAYOUTS[name]
+    dims = {a: (n if a == axis else 1) for a in MESH_AXES}
+    return Layout(make_mesh(**dims, devices=devices[:n]), rules, name)
 
 
-def tree_shardings(axes_tree, mesh: Mesh, rules=DEFAULT_RULES):
-    """NamedShardings for a tree of logical-axis tuples."""
-    return jax.tree.map(
-        lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh, rules)),
-        axes_tree,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+def single_device_layout() -> Layout:
+    return Layout(make_mesh(1, 1, 1, devices=jax.devices()[:1]), RULES, "3d")
 
 
-def param_shardings(config: Config, mesh: Mesh, rules=DEFAULT_RULES):
-    return tree_shardings(param_axes(config), mesh, rules)
+def param_shardings(config: Config, layout: Layout):
+    return layout.shardings(param_axes(config))
 
 
 def check_divisible(shapes_tree, shardings_tree):
@@ -78,22 +154,23 @@ def check_divisible(shapes_tree, shardings_tree):
     problems = []
 
     def check(path, shape, sharding):
-        for dim, (size, axis) in enumerate(zip(shape.shape, sharding.spec)):
-            if axis is not None and size % sharding.mesh.shape[axis]:
-                problems.append(f"{jax.tree_util.keystr(path)} dim {dim} ({size}) over '{axis}' ({sharding.mesh.shape[axis]})")
+        for dim, (size, axes) in enumerate(zip(shape.shape, sharding.spec)):
+            parts = int(np.prod([sharding.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())]))
+            if size % parts:
+                problems.append(f"{jax.tree_util.keystr(path)} dim {dim} ({size}) over {axes} ({parts})")
 
     jax.tree_util.tree_map_with_path(check, shapes_tree, shardings_tree)
     if problems:
         raise ValueError("sharding does not divide:\n  " + "\n  ".join(problems))
 
 
-def shard_params(params, config: Config, mesh: Mesh, rules=DEFAULT_RULES):
-    """Place params on `mesh` by the rules table."""
-    shardings = param_shardings(config, mesh, rules)
+def shard_params(params, config: Config, layout: Layout):
+    """Place params on the layout's mesh by its rules."""
+    shardings = param_shardings(config, layout)
     check_divisible(params, shardings)
     return jax.device_put(params, shardings)
 
 
-def shard_batch(x, mesh: Mesh, rules=DEFAULT_RULES):
-    """Place a [B, ...] input with its batch over the data axis."""
-    return jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (x.ndim - 1), mesh, rules)))
+def shard_batch(x, layout: Layout):
+    """Place a [B, ...] input with its batch split as the layout splits "batch"."""
+    return jax.device_put(x, layout.sharding(("batch",) + (None,) * (np.ndim(x) - 1)))

@@ -5,7 +5,7 @@
     save_cache(path, cache); cache = restore_cache(path, shardings=None)
 
 `shardings` is a tree of jax.sharding.Sharding matching the restored tree (e.g. from
-sharding.param_shardings or sharding.tree_shardings(cache_axes(cache), mesh)); None restores onto
+sharding.param_shardings(config, layout) or layout.shardings(cache_axes(cache))); None restores onto
 the default device.
 """
 

@@ -61,7 +61,8 @@ def max_tiles(rows: int, experts: int, block_rows: int) -> int:
 
 
 def expert_tiles(group_sizes, rows: int, block_rows: int) -> ExpertTiles:
-    """The tiled layout of `rows` rows sorted by expert, `group_sizes` [G] int32 rows per expert."""
+    """The tiled layout of `rows` rows sorted by expert, `group_sizes` [G] int32 rows per expert. Rows
+    past the groups' total (sorted after them: no expert here) get a slot past the layout."""
     experts = group_sizes.shape[0]
     group_sizes = group_sizes.astype(jnp.int32)
     tiles_per_expert = -(-group_sizes // block_rows)
@@ -71,6 +72,7 @@ def expert_tiles(group_sizes, rows: int, block_rows: int) -> ExpertTiles:
     expert_of_row = jnp.repeat(jnp.arange(experts, dtype=jnp.int32), group_sizes, total_repeat_length=rows)
     slots = first_tile[expert_of_row] * block_rows + jnp.arange(rows, dtype=jnp.int32) - group_start[expert_of_row]
     n_tiles = max_tiles(rows, experts, block_rows)
+    slots = jnp.where(jnp.arange(rows) < group_start[-1] + group_sizes[-1], slots, n_tiles * block_rows)
     # Each tile's expert by comparing it with every expert's end: searchsorted's default bisection is
     # a rolled loop, on the GPU a while loop with a host round trip per step (7-9 a MoE layer).
     tiles = jnp.arange(n_tiles, dtype=jnp.int32)

@@ -132,21 +132,23 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{case:48s} {error:.3e}")
 
 
-def traced_kernels(fn, *args) -> collections.Counter:
+def traced_kernels(fn, *args, outside_shard_map=False) -> collections.Counter:
     """The Pallas kernels in the program `fn(*args)` traces to, by name, nested calls included (args
     may be arrays or jax.ShapeDtypeStruct): Triton kernels are `pallas_call`s, Mosaic GPU ones
     (`plgpu.kernel`) `mpmd_map`s. Tracing stages every jitted call it reaches, so a kernel counted
-    here is one the computation launches (a dispatch that fell back to the reference leaves none)."""
+    here is one the computation launches (a dispatch that fell back to the reference leaves none).
+    outside_shard_map: count only the kernels that no `shard_map` encloses (under a mesh, XLA would
+    gather their inputs whole)."""
     counts = collections.Counter()
 
-    def walk(jaxpr):
+    def walk(jaxpr, enclosed):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+            if eqn.primitive.name in ("pallas_call", "mpmd_map") and not (outside_shard_map and enclosed):
                 counts[eqn.params["name"]] += 1
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
+                walk(sub, enclosed or eqn.primitive.name == "shard_map")
 
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
     return counts
 
 

@@ -1,5 +1,8 @@
-"""Logical-axis annotations and the rules table; a sharded forward on 4 host devices."""
+"""Logical-axis annotations, the layouts' rules, and the model on 8 host devices under every layout
+(tests/sharded_runs.py, in processes of their own): equal to one device, the cache placed by its
+logical axes, no expert weight gathered, every kernel inside a shard_map."""
 
+import functools
 import json
 import os
 import subprocess
@@ -9,9 +12,10 @@ import jax
 import numpy as np
 import pytest
 from conftest import ROOT, SHIPPED
+from jax.sharding import PartitionSpec as P
 
 from glm5next_jax import Config, param_axes, param_shapes
-from glm5next_jax.sharding import logical_to_spec
+from glm5next_jax.sharding import LAYOUTS, RULES, Layout, make_layout, make_mesh
 
 
 def test_every_parameter_dimension_is_annotated():
@@ -23,30 +27,108 @@ def test_every_parameter_dimension_is_annotated():
         assert len(shape.shape) == len(names)
 
 
-def test_rules_drop_missing_and_repeated_mesh_axes():
-    mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
-    assert logical_to_spec(("experts", "embed", None, "expert_mlp"), mesh) == jax.sharding.PartitionSpec(None, None, None, "model")
-    assert logical_to_spec(("mlp", "mlp"), mesh) == jax.sharding.PartitionSpec("model", None)
+def abstract_layout(name, sizes):
+    """A preset's rules on an abstract mesh of the given ("data", "expert", "model") sizes."""
+    mesh = jax.sharding.AbstractMesh(sizes, ("data", "expert", "model"))
+    return Layout(mesh, LAYOUTS[name][1] if name in LAYOUTS else RULES, name)
+
+
+def test_presets_place_each_weight_as_documented():
+    gate_up, down = ("experts", "embed", None, "expert_mlp"), ("experts", "expert_mlp", "embed")
+    tp, tp_ep, dp_ep, three_d = (
+        abstract_layout("tp", (1, 1, 8)), abstract_layout("tp-ep", (1, 1, 8)), abstract_layout("dp-ep", (8, 1, 1)),
+        abstract_layout("3d", (2, 2, 2)),
+    )
+    assert tp.spec(gate_up) == P(None, None, None, "model")  # a slice of every expert
+    assert tp_ep.spec(gate_up) == P("model", None, None, None) and tp_ep.spec(down) == P("model", None, None)
+    assert dp_ep.spec(gate_up) == P("data", None, None, None)
+    assert three_d.spec(gate_up) == P("expert", None, None, "model")
+    for layout in (tp, tp_ep):
+        assert layout.spec(("embed", None, "kda_channels")) == P(None, None, "model")
+        assert layout.spec(("q_lora", "heads_latent")) == P(None, "model")
+        assert layout.spec(("batch", None)) == P(None, None)  # "data" has one device
+    assert dp_ep.spec(("embed", None, "kda_channels")) == P(None, None, None)  # "model" has one device
+    assert dp_ep.mesh_axes("kda_channels") == () and dp_ep.mesh_axes("batch") == ("data",)
+    assert tp_ep.mesh_axes("expert_mlp", gate_up) == ()  # "model" is taken by the experts in that array
     with pytest.raises(ValueError, match="no rule"):
-        logical_to_spec(("nonsense",), mesh)
+        tp.spec(("nonsense",))
+
+
+def test_make_layout_names_what_it_cannot_make():
+    assert make_layout("tp").mesh.shape == {"data": 1, "expert": 1, "model": 1}
+    with pytest.raises(ValueError, match="unknown layout 'pp'"):
+        make_layout("pp:8")
+    with pytest.raises(ValueError, match="asks for 8 devices; 1 are available"):
+        make_layout("tp-ep:8")
+    with pytest.raises(ValueError, match="data x expert x model"):
+        make_layout("3d:2x2")
+    with pytest.raises(ValueError, match="!= 1 devices"):
+        make_mesh(data=2)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_run(name):
+    """One of tests/sharded_runs.py's runs on 8 host devices, its JSON result."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_runs.py"), name], env=env, cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", ["tp:8", "tp-ep:8", "dp-ep:8", "3d:2x2x2"])
+def test_every_layout_equals_one_device(layout):
+    """fp32 forward, a ragged prefill, 5 decode steps and greedy generation on 8 devices against one;
+    every cache leaf placed as its logical axes say."""
+    r = sharded_run("equal_to_one_device")[layout]
+    assert max(r["forward"], r["prefill"], r["decode"]) < 1e-5, r
+    assert r["tokens_equal"] and r["logits_devices"] == 8
+    assert r["misplaced_cache_leaves"] == []
+    kda_state, latents = {"tp:8": ("P(None, 'model')", "P()"), "tp-ep:8": ("P(None, 'model')", "P()"),
+                          "dp-ep:8": ("P('data',)", "P('data',)"), "3d:2x2x2": ("P('data', 'model')", "P('data',)")}[layout]
+    assert (r["state_spec"], r["latent_spec"]) == (kda_state, latents)
+
+
+def test_the_decode_step_gathers_no_expert_weights():
+    """In the compiled bf16 decode step of every layout, each all-gather is far smaller than one
+    device's share of an expert weight: the MoE moves tokens (and the cache writes their new rows),
+    never weights."""
+    r = sharded_run("collectives_of_the_decode_step")
+    smallest_share = min(np.prod(shape) for shape in r.pop("expert_weights").values()) // 8
+    for layout, found in r.items():
+        sizes = [int(np.prod(dims)) for _, dims in found["all_gathers"]]
+        assert max(sizes, default=0) * 8 <= smallest_share, (layout, found["all_gathers"])
+
+
+def test_every_kernel_runs_inside_a_shard_map():
+    """Chosen as on a GPU (interpreted), every kernel of forward, prefill and a decode step under every
+    layout is enclosed by a shard_map (XLA would gather an enclosed-free kernel's inputs whole), and
+    each layout launches the kernels its shards' widths take."""
+    r = sharded_run("kernels_under_shard_map")
+    dsa = {"candidate_pool_scores": 2, "top_pools": 2, "sparse_latent_attention": 2}
+    for layout, entries in r.items():
+        moe = {} if layout == "tp:8" else {"moe_grouped_matmul": 6}  # tp: each expert's width / 8 fits no tile
+        assert entries["forward"]["all"] == entries["prefill"]["all"] == {"kda_intra": 2, "kda_chain": 2, **dsa, **moe}
+        assert entries["decode"]["all"] == {"kda_decode_step": 2, **dsa, **moe}
+        assert all(entry["outside_shard_map"] == {} for entry in entries.values()), (layout, entries)
 
 
 SHARDED_RUN = r"""
 import json, sys
 import jax, numpy as np
 import glm5next_jax
-from glm5next_jax.sharding import make_mesh, shard_params, shard_batch
+from glm5next_jax.sharding import make_layout, shard_params
 case = np.load(sys.argv[2])
 config, params = glm5next_jax.load_checkpoint(sys.argv[1], "float32")
 out = {}
-for name, mesh in {"data2_model2": make_mesh(data=2, model=2), "expert2_model2": make_mesh(expert=2, model=2)}.items():
-    sharded = shard_params(params, config, mesh)
-    ids, mask = shard_batch(case["ids"], mesh), shard_batch(case["mask"], mesh)
-    logits = glm5next_jax.forward(sharded, config, ids, mask)
+for spec in ["3d:2x1x2", "3d:1x2x2"]:
+    layout = make_layout(spec)
+    sharded = shard_params(params, config, layout)
+    logits = glm5next_jax.forward(sharded, config, case["ids"], case["mask"], layout=layout)
     real = case["mask"].astype(bool)
     err = float(np.abs(np.asarray(logits) - case["logits"])[real].max() / np.abs(case["logits"][real]).max())
     spec = sharded["layers"][4]["mlp"]["experts_gate_up"].sharding.spec
-    out[name] = {"error": err, "expert_spec": str(spec), "devices": len(logits.sharding.device_set)}
+    out[layout.name + str(layout.mesh.shape)] = {"error": err, "expert_spec": str(spec), "devices": len(logits.sharding.device_set)}
 print(json.dumps(out))
 """
 
@@ -60,7 +142,8 @@ def test_sharded_forward_matches_transformers(goldens, tmp_path):
     result = subprocess.run([sys.executable, "-c", SHARDED_RUN, SHIPPED, padded], env=env, cwd=ROOT,
                             capture_output=True, text=True, check=True)
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(out) == 2
     for name, r in out.items():
         assert r["error"] < 1e-4, (name, r)
         assert r["devices"] == 4
-    assert "expert" in out["expert2_model2"]["expert_spec"]
+    assert sorted(r["expert_spec"] for r in out.values()) == ["P('expert', None, None, 'model')", "P(None, None, None, 'model')"]  # 1x2x2, 2x1x2

@@ -6,7 +6,7 @@ from conftest import SHIPPED, load_model
 
 import glm5next_jax
 from glm5next_jax.cache import cache_axes
-from glm5next_jax.sharding import make_mesh, param_shardings, tree_shardings
+from glm5next_jax.sharding import make_layout, param_shardings
 from glm5next_jax.store import restore_cache, restore_params, save_cache, save_params
 
 
@@ -20,8 +20,7 @@ def assert_identical(a_tree, b_tree):
 def test_params_round_trip_onto_a_sharding(tmp_path):
     config, params = load_model(SHIPPED, "bfloat16")
     save_params(tmp_path / "ckpt", params, config)
-    mesh = make_mesh()
-    restored_config, restored = restore_params(tmp_path / "ckpt", shardings=param_shardings(config, mesh))
+    restored_config, restored = restore_params(tmp_path / "ckpt", shardings=param_shardings(config, make_layout("3d")))
     assert restored_config == config
     assert_identical(params, restored)
     leaf = restored["layers"][4]["mlp"]["experts_gate_up"]
@@ -34,5 +33,5 @@ def test_fp8_cache_round_trip(tmp_path):
     _, cache = glm5next_jax.prefill(params, config, np.arange(2, 42).reshape(2, 20), None, cache)
     save_cache(tmp_path / "cache", cache)
     assert_identical(cache, restore_cache(tmp_path / "cache"))
-    shardings = tree_shardings(cache_axes(cache), make_mesh())
+    shardings = make_layout("3d").shardings(cache_axes(cache))
     assert_identical(cache, restore_cache(tmp_path / "cache", shardings=shardings))

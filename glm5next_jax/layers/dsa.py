@@ -16,6 +16,7 @@ from pallas_kernels.latent_attention import sparse_latent_attention
 from pallas_kernels.select_tokens import first_valid_key, pool_token_indices, select_tokens
 
 from ..cache import read_pages, write_latents, write_pages
+from ..sharding import shard_mapped
 from .common import layer_norm, linear, rms_norm
 
 INDEXER_NORM_EPS = 1e-6
@@ -67,52 +68,83 @@ def latent_output(p, o_lat):
     return linear(o_lat.reshape(*o_lat.shape[:-2], -1), p["o_absorb"])
 
 
-def attend_selected(p, q_resid, latents, indices, config, implementation, interpret, **pages):
+def attend_selected(p, q_resid, latents, indices, config, implementation, interpret, layout, page_table=None,
+                    latent_scales=None):
     """o_lat [B, T, H, R]: each query over its selected latents ([B, S, R], or a cache's pages with
     `page_table` and `latent_scales`). A selection is distinct by construction (whole disjoint pools,
-    then the tail after the last of them)."""
-    return sparse_latent_attention(
-        latent_query(p, q_resid, config), latents, indices, scale=config.qk_head_dim**-0.5,
-        implementation=implementation, interpret=interpret, distinct_indices=True, **pages,
+    then the tail after the last of them). Under a layout each device attends for its batch rows and
+    heads; its pages are those of its rows (page ids local to the device's share of the pages), so
+    a row's pages must lie in its own share, as `init_cache`'s page table places them."""
+    paged = page_table is not None
+    scaled = latent_scales is not None
+    page_axes = () if layout is None or not paged else layout.mesh_axes("pages")
+
+    def attend(q_lat, latents, indices, *extra):
+        extra = list(extra)
+        table = extra.pop(0) if paged else None
+        if page_axes:
+            table = table - jax.lax.axis_index(page_axes) * latents.shape[0]
+        return sparse_latent_attention(
+            q_lat, latents, indices, scale=config.qk_head_dim**-0.5, latent_scales=extra.pop(0) if scaled else None,
+            page_table=table, implementation=implementation, interpret=interpret, distinct_indices=True,
+        )
+
+    q_axes = ("batch", "sequence", "heads", None)
+    latent_axes = ("pages", None, None) if paged else ("batch", None, None)
+    in_axes = (q_axes, latent_axes, ("batch", "sequence", None)) + ((("batch", None),) if paged else ()) + (
+        (("pages", None),) if scaled else ()
+    )
+    args = (latent_query(p, q_resid, config), latents, indices) + ((page_table,) if paged else ()) + (
+        (latent_scales,) if scaled else ()
+    )
+    return shard_mapped(layout, attend, in_axes, q_axes)(*args)
+
+
+def select(q_idx, head_weights, pool_keys, key_valid, query_positions, config, implementation, interpret, layout):
+    """`select_tokens` with the config's selection, on each device's batch rows under a layout."""
+    run = lambda *args: select_tokens(  # noqa: E731
+        *args, index_topk=config.index_topk, pool_size=config.index_kpool,
+        select_tail=config.index_kpool_always_select_tail, implementation=implementation, interpret=interpret,
+    )
+    in_axes = (("batch", "sequence", None, None), ("batch", "sequence", None), ("batch", None, None), ("batch", None),
+               ("batch", "sequence"))
+    return shard_mapped(layout, run, in_axes, ("batch", "sequence", None))(
+        q_idx, head_weights, pool_keys, key_valid, query_positions
     )
 
 
-def indexer_select(p, h, q_resid, key_valid, config, implementation=None, interpret=False):
+def indexer_select(p, h, q_resid, key_valid, config, implementation=None, interpret=False, layout=None):
     """The indexer over a whole sequence: selected key indices [B, T, W] (-1 padded) per query;
     `implementation` and `interpret` pick the selection's kernels (as in `select_tokens`)."""
     b, t = h.shape[:2]
     k_idx, gate = indexer_keys(p, h)
-    return select_tokens(
+    return select(
         indexer_queries(p, q_resid, config),
         indexer_head_weights(p, h),
         pool_keys(k_idx, gate, p["ape"], first_valid_key(key_valid), t // config.index_kpool),
         key_valid,
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        index_topk=config.index_topk,
-        pool_size=config.index_kpool,
-        select_tail=config.index_kpool_always_select_tail,
-        implementation=implementation,
-        interpret=interpret,
+        config, implementation, interpret, layout,
     )
 
 
-def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None, interpret=False):
+def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None, interpret=False, layout=None):
     """Uncached DSA sublayer. h [B, T, D]; key_valid [B, T] bool (the padding mask).
 
     A "full" layer (p has an indexer) selects its tokens; a "shared" layer takes `shared_indices`
     from the preceding full layer. `implementation` and `interpret` pick the kernels of the token
-    selection and of the latent attention (as in `forward`).
+    selection and of the latent attention (as in `forward`); layout: the mesh.
     Returns (y [B, T, D], selected indices [B, T, W]).
     """
     q_resid = rms_norm(linear(h, p["q_a_proj"]), p["q_a_norm"], config.rms_norm_eps)
     latents = rms_norm(linear(h, p["kv_a_proj"]), p["kv_a_norm"], config.rms_norm_eps)
     if "indexer" in p:
-        indices = indexer_select(p["indexer"], h, q_resid, key_valid, config, implementation, interpret)
+        indices = indexer_select(p["indexer"], h, q_resid, key_valid, config, implementation, interpret, layout)
     elif shared_indices is None:
         raise ValueError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
     else:
         indices = shared_indices
-    o_lat = attend_selected(p, q_resid, latents, indices, config, implementation, interpret)
+    o_lat = attend_selected(p, q_resid, latents, indices, config, implementation, interpret, layout)
     return latent_output(p, o_lat), indices
 
 
@@ -135,7 +167,8 @@ def complete_pools(layer_cache, page_table, ape, start, end, n_new):
 
 
 def dsa_layer_cached(
-    p, h, config, layer_cache, page_table, start, valid, shared_indices=None, implementation=None, interpret=False
+    p, h, config, layer_cache, page_table, start, valid, shared_indices=None, implementation=None, interpret=False,
+    layout=None,
 ):
     """DSA over new tokens appended to the cache. h [B, T, D]; start [B] tokens already cached;
     valid [B, T] marks each row's new tokens (a prefix); `implementation`, `interpret` as in `dsa_layer`.
@@ -155,17 +188,9 @@ def dsa_layer_cached(
         lc["indexer_length"] = end
         max_len = page_table.shape[1] * lc["latent"].shape[1]
         key_valid = jnp.arange(max_len)[None] < end[:, None]
-        indices = select_tokens(
-            indexer_queries(ip, q_resid, config),
-            indexer_head_weights(ip, h),
-            lc["pool_keys"],
-            key_valid,
-            positions,
-            index_topk=config.index_topk,
-            pool_size=config.index_kpool,
-            select_tail=config.index_kpool_always_select_tail,
-            implementation=implementation,
-            interpret=interpret,
+        indices = select(
+            indexer_queries(ip, q_resid, config), indexer_head_weights(ip, h), lc["pool_keys"], key_valid, positions,
+            config, implementation, interpret, layout,
         )
         last = jnp.clip(end - start - 1, 0, t - 1)
         rows = jnp.take_along_axis(indices, last[:, None, None], axis=1)[:, 0]
@@ -177,7 +202,7 @@ def dsa_layer_cached(
         indices = shared_indices
     # The attention reads only the selected rows, through the page table, dequantising them itself.
     o_lat = attend_selected(
-        p, q_resid, lc["latent"], indices, config, implementation, interpret,
+        p, q_resid, lc["latent"], indices, config, implementation, interpret, layout,
         page_table=page_table, latent_scales=lc.get("latent_scale"),
     )
     return latent_output(p, o_lat), lc, indices

@@ -11,7 +11,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import kda as kda_core
 
+from ..sharding import shard_mapped
 from .common import inverse_rms, linear
+
+TOKEN_HEADS = ("batch", "sequence", "kda_heads", None)  # q, k, v, g and the core's output [B, T, H, d]
+STATE = ("batch", "kda_heads", None, None)
 
 
 def gated_rms_norm(o, gate, weight, eps):
@@ -60,17 +64,27 @@ def scan_implementation(config, implementation):
     return "reference"
 
 
-def kda_layer(p, h, config, padding_mask=None, implementation=None, interpret=False):
+def chunk_scan(q, k, v, g, beta, state, config, implementation, interpret, layout):
+    """The chunked scan (state None: zeros), on each device's batch rows and heads under a layout."""
+    implementation = scan_implementation(config, implementation)
+    if state is None:
+        state = jnp.zeros((*q.shape[:1], *q.shape[2:], v.shape[-1]), jnp.float32)
+    scan = lambda *args: kda_core.kda_chunk_scan(*args, implementation=implementation, interpret=interpret)  # noqa: E731
+    return shard_mapped(layout, scan, (TOKEN_HEADS,) * 4 + (TOKEN_HEADS[:3], STATE), (TOKEN_HEADS, STATE))(
+        q, k, v, g, beta, state
+    )
+
+
+def kda_layer(p, h, config, padding_mask=None, implementation=None, interpret=False, layout=None):
     """Uncached KDA sublayer over a whole sequence. h [B, T, D]; padding_mask [B, T] zeroes pad rows.
 
     implementation: None (Pallas on GPU, else the reference), "reference" or "pallas"; interpret runs
-    the kernels in Pallas' interpreter (`pallas_kernels.common.pick_implementation`)."""
+    the kernels in Pallas' interpreter (`pallas_kernels.common.pick_implementation`); layout: the
+    mesh (the scan runs on each device's rows and heads)."""
     if padding_mask is not None:
         h = h * padding_mask[..., None].astype(h.dtype)
     q, k, v, g, beta, _ = kda_inputs(p, h, config)
-    o, _ = kda_core.kda_chunk_scan(
-        q, k, v, g, beta, implementation=scan_implementation(config, implementation), interpret=interpret
-    )
+    o, _ = chunk_scan(q, k, v, g, beta, None, config, implementation, interpret, layout)
     return kda_output(p, h, o, config)
 
 
@@ -83,7 +97,7 @@ def roll_conv_state(conv_state, x, n_new):
     return jnp.moveaxis(jnp.take_along_axis(history, window, axis=1), 1, -1)
 
 
-def kda_layer_cached(p, h, config, layer_cache, valid, implementation=None, interpret=False):
+def kda_layer_cached(p, h, config, layer_cache, valid, implementation=None, interpret=False, layout=None):
     """KDA over new tokens appended to a live state. h [B, T, D]; valid [B, T] marks each row's new
     tokens (a prefix of the row). Padding rows neither decay nor update the state (g = 0, beta = 0),
     and the conv state keeps each row's own last K inputs. Returns (y, new layer cache)."""
@@ -95,16 +109,21 @@ def kda_layer_cached(p, h, config, layer_cache, valid, implementation=None, inte
     q, k, v = (y[..., i, :].reshape(*y.shape[:-2], heads, head_dim) for i in range(3))
     g = jnp.where(valid[..., None, None], gate_log_decay(p, h, config), 0.0)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(h, p["b_proj"])), 0)
-    o, state = kda_core.kda_chunk_scan(
-        q, k, v, g, beta, layer_cache["state"], implementation=scan_implementation(config, implementation),
-        interpret=interpret,
-    )
+    o, state = chunk_scan(q, k, v, g, beta, layer_cache["state"], config, implementation, interpret, layout)
     return kda_output(p, h, o, config), {"conv": conv_state, "state": state}
 
 
-def kda_layer_decode(p, h, config, layer_cache, implementation=None, interpret=False):
+def kda_layer_decode(p, h, config, layer_cache, implementation=None, interpret=False, layout=None):
     """One new token per sequence (h [B, 1, D]) through the fused decode step."""
-    o, conv_state, state = kda_core.kda_decode_step(
+    channels = ("batch", None, "kda_channels")
+    step = lambda *args: kda_core.kda_decode_step(  # noqa: E731
+        *args, lower_bound=config.linear_lower_bound, implementation=implementation, interpret=interpret
+    )
+    in_axes = (
+        channels, channels + (None,), (None, None, "kda_channels"), ("batch", "kda_channels"), ("kda_channels",),
+        ("kda_heads",), ("batch", "kda_heads"), STATE,
+    )
+    o, conv_state, state = shard_mapped(layout, step, in_axes, (("batch", "kda_heads", None), channels + (None,), STATE))(
         linear(h[:, 0], p["qkv_proj"]),
         layer_cache["conv"],
         p["conv"],
@@ -113,8 +132,5 @@ def kda_layer_decode(p, h, config, layer_cache, implementation=None, interpret=F
         p["A_log"],
         linear(h[:, 0], p["b_proj"]),
         layer_cache["state"],
-        lower_bound=config.linear_lower_bound,
-        implementation=implementation,
-        interpret=interpret,
     )
     return kda_output(p, h, o[:, None], config), {"conv": conv_state, "state": state}

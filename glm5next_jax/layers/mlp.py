@@ -45,43 +45,46 @@ def route(p, x, config):
     return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def combine(rows, slot_of_choice, experts, weights, dtype):
+def combine(rows, slot_of_choice, experts, weights, dtype, present=None):
     """Each token's sum over its k experts of weight x its row of `rows` [slots, D], in `dtype`:
-    slot_of_choice [N, k] (where each choice's output row is), experts and weights [N, k]. As the
-    reference adds them (`index_add_`, one expert after another): each weighted row cast to `dtype`,
-    then summed in ascending expert order. A gather of k rows a token: the scatter-add it replaces
-    took 3.25 ms a layer on the H200 at 16384 tokens x 8 experts (bench/RESULTS.md)."""
+    slot_of_choice [N, k] (where each choice's output row is), experts and weights [N, k]; `present`
+    [N, k] (default all) marks the choices whose rows are here (an expert-parallel device holds
+    some experts only). As the reference adds them (`index_add_`, one expert after another): each
+    weighted row cast to `dtype`, then summed in ascending expert order. A gather of k rows a token:
+    the scatter-add it replaces took 3.25 ms a layer on the H200 at 16384 tokens x 8 experts
+    (bench/RESULTS.md)."""
     by_expert = jnp.argsort(experts, axis=-1)
     slot_of_choice = jnp.take_along_axis(slot_of_choice, by_expert, axis=-1)
     weights = jnp.take_along_axis(weights, by_expert, axis=-1)
+    if present is not None:
+        present = jnp.take_along_axis(present, by_expert, axis=-1)
     out = jnp.zeros((experts.shape[0], rows.shape[-1]), dtype)
     for j in range(experts.shape[-1]):
-        out = out + (rows[slot_of_choice[:, j]] * weights[:, j, None]).astype(dtype)
+        row = rows[jnp.clip(slot_of_choice[:, j], 0, rows.shape[0] - 1)]
+        term = (row * weights[:, j, None]).astype(dtype)
+        out = out + (term if present is None else jnp.where(present[:, j, None], term, 0))
     return out
 
 
-def moe(p, x, config, implementation=None, interpret=False):
-    """Routed experts (grouped GEMM over tokens sorted by expert) plus the unscaled shared expert.
-
-    p: router [D, E] fp32, router_bias [E] fp32, experts_gate_up [E, D, 2, I], experts_down [E, I, D],
-    shared {gate_up, down} when n_shared_experts > 0. implementation: the grouped GEMM's (None: the
-    Pallas kernel on GPU for bf16 weights, else the reference; `interpret` runs the kernel in Pallas'
-    interpreter), see `pallas_kernels.moe_gemm`.
-    """
-    shape = x.shape
-    tokens = x.reshape(-1, shape[-1])
-    weights, experts = route(p, tokens, config)
+def routed_experts(p, tokens, weights, experts, config, implementation=None, interpret=False, first_expert=0):
+    """The routed experts' sum for each token [N, D] (grouped GEMMs over the rows sorted by expert),
+    over the experts held here: p's experts_gate_up [E_local, D, 2, I] and experts_down
+    [E_local, I, D] are experts first_expert .. first_expert + E_local - 1; a token's other choices
+    add nothing. weights, experts [N, k] from `route`."""
+    e_local = p["experts_down"].shape[0]
     k = config.num_experts_per_tok
-    flat_experts = experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)
-    group_sizes = jnp.bincount(flat_experts, length=config.n_routed_experts).astype(jnp.int32)
+    here = (experts >= first_expert) & (experts < first_expert + e_local)
+    local = jnp.where(here, experts - first_expert, e_local).reshape(-1)  # e_local: held elsewhere
+    order = jnp.argsort(local, stable=True)
+    group_sizes = jnp.bincount(local, length=e_local + 1)[:e_local].astype(jnp.int32)
     gate_up = p["experts_gate_up"]
     gate_up = gate_up.reshape(*gate_up.shape[:2], -1)
     implementation, gemm = moe_gemm.plan(
         implementation, tokens, (gate_up, p["experts_down"]), rows=order.shape[0], interpret=interpret
     )
     # Rows sorted by expert, each expert's starting a tile of the kernel's (one row: packed, for the
-    # reference); padding slots read token 0 and their outputs are never gathered.
+    # reference); padding slots read token 0 and their outputs are never gathered; rows of experts
+    # held elsewhere sort last and get no slot.
     tiles = moe_gemm.expert_tiles(group_sizes, order.shape[0], gemm.block_rows)
     token_of_row = order // k
     token_of_slot = jnp.zeros(tiles.tile_experts.shape[0] * gemm.block_rows, jnp.int32).at[tiles.slots].set(token_of_row)
@@ -93,8 +96,61 @@ def moe(p, x, config, implementation=None, interpret=False):
     hidden = clamped_swiglu(hidden.reshape(hidden.shape[0], 2, -1), config.swiglu_limit)
     down = run(hidden, p["experts_down"])
     # Where each token's choices came out in the tiled layout: the sort's inverse, through the slots.
-    slot_of_choice = jnp.zeros_like(flat_experts).at[order].set(tiles.slots).reshape(experts.shape)
-    out = combine(down, slot_of_choice, experts, weights, x.dtype).reshape(shape)
+    slot_of_choice = jnp.zeros_like(local).at[order].set(tiles.slots).reshape(experts.shape)
+    return combine(down, slot_of_choice, experts, weights, tokens.dtype, here)
+
+
+def expert_parallel(p, tokens, config, implementation, interpret, layout):
+    """The routed experts under a mesh, each device computing its own experts' rows (`shard_map`):
+    tokens travel, weights never do. Tokens split over mesh axes that also split the experts are
+    all-gathered over them first and the outputs reduce-scattered back; partial sums over the other
+    expert axes and over the experts' split intermediate width are all-reduced. (At 8 devices and 8
+    experts a token this moves as many bytes as an all-to-all dispatch and combine of each token's
+    8 rows, with no capacity to size and nothing dropped.)"""
+    weight_axes = ("experts", "embed", None, "expert_mlp")
+    batch_axes, expert_axes = layout.mesh_axes("batch"), layout.mesh_axes("experts", weight_axes)
+    gathered = tuple(a for a in batch_axes if a in expert_axes)
+    summed = tuple(a for a in expert_axes if a not in gathered) + layout.mesh_axes("expert_mlp", weight_axes)
+    e_local = config.n_routed_experts // layout.size("experts", weight_axes)
+
+    def local(router, router_bias, gate_up, down, tokens):
+        if gathered:
+            tokens = jax.lax.all_gather(tokens, gathered, axis=0, tiled=True)
+        weights, experts = route({"router": router, "router_bias": router_bias}, tokens, config)
+        first = jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0
+        experts_here = {"experts_gate_up": gate_up, "experts_down": down}
+        out = routed_experts(experts_here, tokens, weights, experts, config, implementation, interpret, first)
+        if summed:
+            out = jax.lax.psum(out, summed)
+        if gathered:
+            out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
+        return out
+
+    run = layout.shard_map(
+        local,
+        in_axes=((None, None), (None,), weight_axes, ("experts", "expert_mlp", "embed"), ("batch", "embed")),
+        out_axes=("batch", "embed"),
+    )
+    return run(p["router"], p["router_bias"], p["experts_gate_up"], p["experts_down"], tokens)
+
+
+def moe(p, x, config, implementation=None, interpret=False, layout=None):
+    """Routed experts (grouped GEMM over tokens sorted by expert) plus the unscaled shared expert.
+
+    p: router [D, E] fp32, router_bias [E] fp32, experts_gate_up [E, D, 2, I], experts_down [E, I, D],
+    shared {gate_up, down} when n_shared_experts > 0. implementation: the grouped GEMM's (None: the
+    Pallas kernel on GPU for bf16 weights, else the reference; `interpret` runs the kernel in Pallas'
+    interpreter), see `pallas_kernels.moe_gemm`. layout: the mesh, experts split as its rules say
+    (`expert_parallel`).
+    """
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])
+    if layout is None:
+        weights, experts = route(p, tokens, config)
+        out = routed_experts(p, tokens, weights, experts, config, implementation, interpret)
+    else:
+        out = expert_parallel(p, tokens, config, implementation, interpret, layout)
+    out = out.reshape(shape)
     if "shared" in p:
         out = out + dense_mlp(p["shared"], x, config)
     return out

@@ -1,0 +1,148 @@
+"""Runs on 8 host devices for tests/test_sharding.py, in a process of their own (the device count is
+fixed when JAX starts): `python tests/sharded_runs.py NAME` prints one JSON line.
+
+The model: the shipped checkpoint's widths with 8 KDA and 8 DSA heads (so that 8 devices split
+them), 4 layers (KDA, DSA, KDA, DSA; MoEs from the second), random fp32 parameters."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import glm5next_jax  # noqa: E402
+from conftest import traced_kernels  # noqa: E402
+from glm5next_jax import inference  # noqa: E402
+from glm5next_jax.cache import cache_axes, init_cache  # noqa: E402
+from glm5next_jax.sharding import make_layout, shard_params  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUTS = ["tp:8", "tp-ep:8", "dp-ep:8", "3d:2x2x2"]
+BATCH, PROMPT, STEPS = 8, 37, 5
+
+
+def model(dtype="float32"):
+    config = glm5next_jax.Config.from_hf(os.path.join(ROOT, "checkpoints", "glm5next-tiny")).replace(
+        num_hidden_layers=4,
+        layer_types=("linear_attention", "indexed_attention") * 2,
+        mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        indexer_types=("full",) * 4,
+        linear_num_heads=8,
+        linear_head_dim=16,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
+    return config, glm5next_jax.init_params(config, jax.random.key(0), dtype=dtype)
+
+
+def relative(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def prompt_mask():
+    """Row b holds PROMPT - b tokens, right-padded."""
+    return np.arange(PROMPT)[None] < PROMPT - np.arange(BATCH)[:, None]
+
+
+def inference_run(params, config, ids, layout=None):
+    """Prefill of the ragged prompt, STEPS decode steps, and greedy generation; returns (logits of
+    each, tokens, the final cache)."""
+    mask = prompt_mask().astype(np.int32)
+    # generate's own cache has this shape too: its calls reuse these compiled steps
+    cache = init_cache(config, BATCH, 64, dtype="float32", latent_dtype="float32", page_size=64, layout=layout)
+    logits, cache = glm5next_jax.prefill(params, config, ids[:, :PROMPT], mask, cache, layout=layout)
+    steps = [np.asarray(logits)]
+    for i in range(STEPS):
+        step, cache = glm5next_jax.decode_step(params, config, ids[:, PROMPT + i], cache, layout=layout)
+        steps.append(np.asarray(step)[:, None])
+    prompts = [row[: PROMPT - b].tolist() for b, row in enumerate(ids)]
+    tokens = glm5next_jax.generate(params, config, prompts, 6, eos_token_id=[], latent_dtype="float32", layout=layout).tokens
+    return steps, tokens, cache
+
+
+def equal_to_one_device():
+    """Every layout against one device: forward, prefill, decode steps and generate, and where the
+    cache's leaves live."""
+    config, params = model()
+    ids = np.random.default_rng(0).integers(2, config.vocab_size, (BATCH, PROMPT + STEPS)).astype(np.int32)
+    want_forward = np.asarray(glm5next_jax.forward(params, config, ids))
+    want_steps, want_tokens, _ = inference_run(params, config, ids)
+    real = prompt_mask()
+    out = {}
+    for spec in LAYOUTS:
+        layout = make_layout(spec)
+        sharded = shard_params(params, config, layout)
+        forward = glm5next_jax.forward(sharded, config, ids, layout=layout)
+        steps, tokens, cache = inference_run(sharded, config, ids, layout)
+        expected = layout.shardings(cache_axes(cache))
+        misplaced = [
+            jax.tree_util.keystr(path)
+            for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(cache), jax.tree.leaves(expected))
+            if not leaf.sharding.is_equivalent_to(want, leaf.ndim)
+        ]
+        out[spec] = {
+            "forward": relative(forward, want_forward),
+            "prefill": relative(steps[0][real], want_steps[0][real]),
+            "decode": max(relative(a, b) for a, b in zip(steps[1:], want_steps[1:])),
+            "tokens_equal": tokens == want_tokens,
+            "misplaced_cache_leaves": misplaced,
+            "state_spec": str(cache["layers"][0]["state"].sharding.spec),
+            "latent_spec": str(cache["layers"][1]["latent"].sharding.spec),
+            "logits_devices": len(forward.sharding.device_set),
+        }
+    return out
+
+
+def collectives_of_the_decode_step():
+    """The compiled bf16 decode step under each layout: its all-gathers (shape and bytes), and the
+    sizes of the expert weights' local shards and whole arrays."""
+    config, params = model("bfloat16")
+    out = {}
+    for spec in LAYOUTS:
+        layout = make_layout(spec)
+        sharded = shard_params(params, config, layout)
+        cache = init_cache(config, BATCH, 64, page_size=16, layout=layout)
+        tokens = jax.device_put(jnp.zeros(BATCH, jnp.int32), layout.sharding(("batch",)))
+        hlo = inference._decode.lower(sharded, config, tokens, cache, None, False, layout).compile().as_text()
+        gathers = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} all-gather(?:-start)?\(", hlo)
+        out[spec] = {"all_gathers": [[dtype, [int(d) for d in dims.split(",") if d]] for dtype, dims in gathers]}
+    gate_up = params["layers"][1]["mlp"]["experts_gate_up"]
+    out["expert_weights"] = {"gate_up": list(gate_up.shape), "down": list(params["layers"][1]["mlp"]["experts_down"].shape)}
+    return out
+
+
+def kernels_under_shard_map():
+    """Every kernel the bf16 model launches under each layout (chosen as on a GPU, interpreted) is
+    inside a shard_map; at widths every kernel takes on its shards (KDA and DSA heads of 64, MoE
+    widths 128), counted for forward, prefill and a decode step."""
+    config, _ = model()
+    config = config.replace(linear_head_dim=64, moe_intermediate_size=128, hidden_size=256)
+    params = glm5next_jax.init_params(config, jax.random.key(0), dtype="bfloat16")
+    ids = np.random.default_rng(0).integers(2, config.vocab_size, (BATCH, 70)).astype(np.int32)
+    out = {}
+    for spec in LAYOUTS:
+        layout = make_layout(spec)
+        sharded = shard_params(params, config, layout)
+        cache = init_cache(config, BATCH, 128, page_size=16, layout=layout)
+        entries = {
+            "forward": lambda: glm5next_jax.forward(sharded, config, ids, interpret=True, layout=layout),
+            "prefill": lambda: glm5next_jax.prefill(sharded, config, ids, None, cache, interpret=True, layout=layout),
+            "decode": lambda: glm5next_jax.decode_step(sharded, config, ids[:, 0], cache, interpret=True, layout=layout),
+        }
+        out[spec] = {
+            name: {"all": dict(traced_kernels(fn)), "outside_shard_map": dict(traced_kernels(fn, outside_shard_map=True))}
+            for name, fn in entries.items()
+        }
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[sys.argv[1]]()))
