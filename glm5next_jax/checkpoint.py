@@ -5,89 +5,35 @@ q/k/v convs, `hc_attn_fn`, forget-gate tensors on `self_attn`) and transformers'
 (`experts.gate_up_proj`, `conv1d`, `attn_hc.fn`, `forget_gate.*`). Text weights may sit under
 `model.language_model.`, `model.` or no prefix; `lm_head.weight` at the top.
 
-At load the DSA projections are absorbed in fp32 (q_absorb, o_absorb), the indexer's head weights
-are pre-scaled by index_n_heads^-0.5, and gates, conv, mHC, router and ape are kept in fp32.
+Each parameter is first a lazy view of the stored tensors (`tensor_views`); every shape is checked
+before any data is read. With a layout, each device's slice of each parameter is read from the files
+and put on that device (the release's per-expert tensors read only by the devices that hold those
+experts); stored bf16 stays bf16 on the host. The DSA projections are absorbed in fp32 a head at a
+time (q_absorb, o_absorb), the indexer's head weights pre-scaled by index_n_heads^-0.5, and gates,
+conv, mHC, router and ape kept in fp32.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import logging
 import os
 import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can return it)
 import numpy as np
-from safetensors import safe_open
 
 from .config import DSA, Config
 from .params import Leaf, leaf_dtype, param_spec
+from .tensor_views import ArraySource, PerGroup, Scaled, SplitAxis, Squeeze, Stack, Tensor, TensorFiles, Transpose
+
+__all__ = ["ArraySource", "Reader", "TensorFiles", "load_checkpoint"]
 
 log = logging.getLogger("glm5next_jax")
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
 VISION_PATTERN = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
 LAYER_PATTERN = re.compile(r"^layers\.(\d+)\.")
-
-
-class TensorFiles:
-    """Lazy access by name to the tensors of a directory of (sharded) safetensors files."""
-
-    def __init__(self, path: str):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.file_of = {name: os.path.join(path, file) for name, file in weight_map.items()}
-        else:
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            if not files:
-                raise FileNotFoundError(f"no model.safetensors.index.json or *.safetensors in {path}")
-            self.file_of = {}
-            for file in files:
-                with safe_open(file, "np") as f:
-                    self.file_of.update({name: file for name in f.keys()})
-        self._open = {}
-
-    def names(self):
-        return self.file_of.keys()
-
-    def __contains__(self, name):
-        return name in self.file_of
-
-    def shape(self, name):
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def get(self, name) -> np.ndarray:
-        return self._handle(name).get_tensor(name)
-
-    def _handle(self, name):
-        file = self.file_of[name]
-        if file not in self._open:
-            self._open[file] = safe_open(file, "np")
-        return self._open[file]
-
-
-class ArraySource:
-    """In-memory tensors by name (numpy arrays), with the interface of TensorFiles."""
-
-    def __init__(self, arrays):
-        self.arrays = dict(arrays)
-
-    def names(self):
-        return self.arrays.keys()
-
-    def __contains__(self, name):
-        return name in self.arrays
-
-    def shape(self, name):
-        return tuple(self.arrays[name].shape)
-
-    def get(self, name):
-        return np.asarray(self.arrays[name])
 
 
 class Reader:
@@ -114,7 +60,7 @@ class Reader:
         )
 
     def take(self, names, shape):
-        """First present name of `names` (text-relative), as fp32, or None (recorded as missing)."""
+        """First present name of `names` (text-relative), as a lazy view, or None (recorded as missing)."""
         names = [names] if isinstance(names, str) else names
         for name in names:
             full = self.prefix + name if not name.startswith("/") else name[1:]
@@ -124,7 +70,7 @@ class Reader:
                 if got != tuple(shape):
                     self.misshaped.append(f"{full}: expected {tuple(shape)}, found {got}")
                     return None
-                return self.source.get(full).astype(np.float32)
+                return Tensor(self.source, full, got, self.source.dtype(full))
         self.missing.append(self.prefix + names[0] if not names[0].startswith("/") else names[0][1:])
         return None
 
@@ -140,22 +86,26 @@ def _t(x):
     return None if x is None else x.T
 
 
+def _all(*views):
+    return all(v is not None for v in views)
+
+
 def read_kda(r: Reader, L: str, c: Config):
     d, ch, h, dk, k = c.hidden_size, c.kda_dim, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
     a = L + "self_attn."
     qkv = [r.take(a + f"{n}_proj.weight", (ch, d)) for n in "qkv"]
     if r.has(a + "conv1d.weight"):
         conv = r.take(a + "conv1d.weight", (3 * ch, 1, k))
-        conv = None if conv is None else conv.reshape(3, ch, k).transpose(2, 0, 1)
+        conv = None if conv is None else Transpose(SplitAxis(Squeeze(conv, 1), 0, (3, ch)), (2, 0, 1))
     else:
         parts = [r.take(a + f"{n}_conv1d.weight", (ch, 1, k)) for n in "qkv"]
-        conv = None if any(p is None for p in parts) else np.stack([p[:, 0, :].T for p in parts], axis=1)
+        conv = Stack([Squeeze(x, 1).T for x in parts], axis=1) if _all(*parts) else None
 
     def gate(name, shape):
         return r.take([a + name, a + "forget_gate." + name], shape)
 
     return {
-        "qkv_proj": None if any(x is None for x in qkv) else np.stack([x.T for x in qkv], axis=1),
+        "qkv_proj": Stack([x.T for x in qkv], axis=1) if _all(*qkv) else None,
         "conv": conv,
         "f_a": _t(gate("f_a_proj.weight", (dk, d))),
         "f_b": _t(gate("f_b_proj.weight", (ch, dk))),
@@ -169,20 +119,44 @@ def read_kda(r: Reader, L: str, c: Config):
     }
 
 
+def _at_least_fp32(x):
+    x = np.asarray(x)
+    return x.astype(np.promote_types(x.dtype, np.float32))
+
+
 def absorb_q(q_b, kv_b, c: Config):
-    """q_absorb [q_lora, H * R]: per head W_qb^T W_kb, so that q_resid @ q_absorb is the query in latent space."""
-    heads, nope, v, r = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    w_q = q_b.reshape(heads, nope, -1)  # [H, nope, q_lora]
-    w_k = kv_b.reshape(heads, nope + v, r)[:, :nope]  # [H, nope, R]
-    return np.einsum("hnq,hnr->qhr", w_q, w_k).reshape(w_q.shape[-1], heads * r)
+    """q_absorb [q_lora, heads * R] for the heads whose rows q_b [heads * nope, q_lora] and kv_b
+    [heads * (nope + v), R] hold: per head W_qb^T W_kb, so that q_resid @ q_absorb is the query in
+    latent space. In fp32 at least."""
+    nope, v, r = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+    w_q = _at_least_fp32(q_b).reshape(-1, nope, q_b.shape[-1])  # [heads, nope, q_lora]
+    w_k = _at_least_fp32(kv_b).reshape(-1, nope + v, r)[:, :nope]  # [heads, nope, R]
+    return np.einsum("hnq,hnr->qhr", w_q, w_k).reshape(w_q.shape[-1], -1)
 
 
 def absorb_o(o_proj, kv_b, c: Config):
-    """o_absorb [H * R, D]: per head W_o W_vb, mapping the latent attention output to the hidden size."""
-    heads, nope, v, r = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    w_v = kv_b.reshape(heads, nope + v, r)[:, nope:]  # [H, v, R]
-    w_o = o_proj.reshape(o_proj.shape[0], heads, v)  # [D, H, v]
-    return np.einsum("dhv,hvr->hrd", w_o, w_v).reshape(heads * r, o_proj.shape[0])
+    """o_absorb [heads * R, D] for the heads whose columns o_proj [D, heads * v] and rows kv_b hold:
+    per head W_o W_vb, mapping the latent attention output to the hidden size. In fp32 at least."""
+    nope, v, r = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+    w_v = _at_least_fp32(kv_b).reshape(-1, nope + v, r)[:, nope:]  # [heads, v, R]
+    w_o = _at_least_fp32(o_proj).reshape(o_proj.shape[0], -1, v)  # [D, heads, v]
+    return np.einsum("dhv,hvr->hrd", w_o, w_v).reshape(-1, o_proj.shape[0])
+
+
+def absorbed_q(q_b, kv_b, c: Config):
+    """q_absorb as a view: the heads a slice spans are absorbed from their own rows."""
+    nope, v, r, heads = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, c.num_attention_heads
+    rows = lambda g: ((slice(g.start * nope, g.stop * nope), slice(None)),  # noqa: E731
+                      (slice(g.start * (nope + v), g.stop * (nope + v)), slice(None)))
+    return PerGroup((q_b.shape[1], heads * r), 1, r, [q_b, kv_b], rows, lambda g, q, kv: absorb_q(q, kv, c))
+
+
+def absorbed_o(o_proj, kv_b, c: Config):
+    """o_absorb as a view: the heads a slice spans are absorbed from their own columns and rows."""
+    nope, v, r, heads = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, c.num_attention_heads
+    parts = lambda g: ((slice(None), slice(g.start * v, g.stop * v)),  # noqa: E731
+                       (slice(g.start * (nope + v), g.stop * (nope + v)), slice(None)))
+    return PerGroup((heads * r, o_proj.shape[0]), 0, r, [o_proj, kv_b], parts, lambda g, o, kv: absorb_o(o, kv, c))
 
 
 def read_dsa(r: Reader, L: str, c: Config, layer: int):
@@ -194,10 +168,10 @@ def read_dsa(r: Reader, L: str, c: Config, layer: int):
     out = {
         "q_a_proj": _t(r.take(a + "q_a_proj.weight", (ql, d))),
         "q_a_norm": r.take(a + "q_a_layernorm.weight", (ql,)),
-        "q_absorb": None if q_b is None or kv_b is None else absorb_q(q_b, kv_b, c),
+        "q_absorb": absorbed_q(q_b, kv_b, c) if _all(q_b, kv_b) else None,
         "kv_a_proj": _t(r.take(a + "kv_a_proj_with_mqa.weight", (rank + c.qk_rope_head_dim, d))),
         "kv_a_norm": r.take(a + "kv_a_layernorm.weight", (rank,)),
-        "o_absorb": None if o_proj is None or kv_b is None else absorb_o(o_proj, kv_b, c),
+        "o_absorb": absorbed_o(o_proj, kv_b, c) if _all(o_proj, kv_b) else None,
     }
     if c.indexer_types[layer] == "full":
         i = a + "indexer."
@@ -209,7 +183,7 @@ def read_dsa(r: Reader, L: str, c: Config, layer: int):
             "k_norm_weight": r.take(i + "k_norm.weight", (hd,)),
             "k_norm_bias": r.take(i + "k_norm.bias", (hd,)),
             "compress_gate": _t(r.take(i + "index_kpool_compress_gate", (hd, d))),
-            "weights_proj": None if weights_proj is None else (weights_proj * np.float32(nh**-0.5)).T,
+            "weights_proj": None if weights_proj is None else Scaled(weights_proj, nh**-0.5).T,
             "ape": r.take(i + "index_kpool_compress_ape", (c.index_kpool, hd)),
         }
     return out
@@ -220,7 +194,7 @@ def read_dense_mlp(r: Reader, m: str, c: Config, intermediate: int):
     gate = r.take(m + "gate_proj.weight", (intermediate, d))
     up = r.take(m + "up_proj.weight", (intermediate, d))
     return {
-        "gate_up": None if gate is None or up is None else np.stack([gate.T, up.T], axis=1),
+        "gate_up": Stack([gate.T, up.T], axis=1) if _all(gate, up) else None,
         "down": _t(r.take(m + "down_proj.weight", (d, intermediate))),
     }
 
@@ -231,18 +205,16 @@ def read_moe(r: Reader, L: str, c: Config):
     if r.has(m + "experts.gate_up_proj"):
         gu = r.take(m + "experts.gate_up_proj", (e, 2 * i, d))
         down = r.take(m + "experts.down_proj", (e, d, i))
-        gate_up = None if gu is None else gu.reshape(e, 2, i, d).transpose(0, 3, 1, 2)
-        down = None if down is None else down.transpose(0, 2, 1)
+        gate_up = None if gu is None else Transpose(SplitAxis(gu, 1, (2, i)), (0, 3, 1, 2))
+        down = None if down is None else Transpose(down, (0, 2, 1))
     else:
-        gate_up = np.empty((e, d, 2, i), np.float32)
-        down = np.empty((e, i, d), np.float32)
+        per_expert = []
         for j in range(e):
             x = m + f"experts.{j}."
-            g, u, dn = (r.take(x + n, s) for n, s in (("gate_proj.weight", (i, d)), ("up_proj.weight", (i, d)), ("down_proj.weight", (d, i))))
-            if g is not None and u is not None:
-                gate_up[j] = np.stack([g.T, u.T], axis=1)
-            if dn is not None:
-                down[j] = dn.T
+            per_expert.append([r.take(x + n, s) for n, s in (("gate_proj.weight", (i, d)), ("up_proj.weight", (i, d)), ("down_proj.weight", (d, i)))])
+        whole = all(_all(*views) for views in per_expert)
+        gate_up = Stack([Stack([g.T, u.T], axis=1) for g, u, _ in per_expert], axis=0) if whole else None
+        down = Stack([dn.T for _, _, dn in per_expert], axis=0) if whole else None
     out = {
         "router": _t(r.take(m + "gate.weight", (e, d))),
         "router_bias": r.take(m + "gate.e_score_correction_bias", (e,)),
@@ -265,11 +237,10 @@ def read_hc(r: Reader, L: str, site: str, c: Config):
     }
 
 
-def read_params(r: Reader, c: Config, progress=None):
+def read_params(r: Reader, c: Config):
+    """The parameter tree as lazy views of the stored tensors (None where one is missing)."""
     layers = []
     for i in range(c.num_hidden_layers):
-        if progress is not None:
-            progress(i, c.num_hidden_layers)
         L = f"layers.{i}."
         layers.append(
             {
@@ -304,10 +275,29 @@ def _skipped(name: str, prefix: str, c: Config) -> str | None:
     return None
 
 
-def load_checkpoint(path, dtype="bfloat16", *, progress=None):
+def place(view, shape, dtype, sharding=None):
+    """A jax.Array of `view` in `dtype`: on the default device, or each of the sharding's addressable
+    devices given its own slice (read once per distinct slice, so the host holds one slice at a time)."""
+    if sharding is None:
+        return jnp.asarray(np.asarray(view).astype(dtype))
+    by_slice = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        by_slice.setdefault(key, (index, []))[1].append(device)
+    arrays = []
+    for index, devices in by_slice.values():
+        host = view.read(index).astype(dtype, copy=False)
+        arrays += [jax.device_put(host, device) for device in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None):
     """(config, params) from a transformers checkpoint directory; params in `dtype` ("float32" or "bfloat16").
 
-    progress(done_layers, total_layers), if given, is called as layers are read.
+    layout (`sharding.Layout`): each device reads its own slices of the parameters from the files
+    (in a multi-process run, each process its addressable devices'), never the whole model in one
+    place; None: one device. progress(done_layers, total_layers), if given, is called as layers load.
     """
     path = os.fspath(path)
     dtype = jnp.dtype(dtype)
@@ -325,16 +315,38 @@ def load_checkpoint(path, dtype="bfloat16", *, progress=None):
         else:
             wanted.add(name)
     reader = Reader(files, prefix, wanted)
-    raw = read_params(reader, config, progress)
+    views = read_params(reader, config)
     problems = reader.problems()
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  " + "\n  ".join(problems))
     if skipped:
         log.info("skipped tensors outside the text forward: %s", ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))
+    spec = param_spec(config)
+    if layout is not None:
+        from .sharding import check_divisible, param_shardings
+
+        shardings = param_shardings(config, layout)
+        check_divisible(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32), spec, is_leaf=_is_leaf), shardings)
+    else:
+        shardings = jax.tree.map(lambda _: None, spec, is_leaf=_is_leaf)
+
+    def load(tree_spec, tree_views, tree_shardings):
+        return jax.tree.map(
+            lambda leaf, view, sharding: place(view, leaf.shape, leaf_dtype(leaf, dtype), sharding),
+            tree_spec, tree_views, tree_shardings, is_leaf=_is_leaf,
+        )
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        if progress is not None:
+            progress(i, config.num_hidden_layers)
+        layers.append(load(spec["layers"][i], views["layers"][i], shardings["layers"][i]))
+    top = {k: v for k, v in spec.items() if k != "layers"}
+    params = load(top, {k: views[k] for k in top}, {k: shardings[k] for k in top})
     if progress is not None:
         progress(config.num_hidden_layers, config.num_hidden_layers)
-    spec = param_spec(config)
-    params = jax.tree.map(
-        lambda leaf, x: jnp.asarray(x, leaf_dtype(leaf, dtype)), spec, raw, is_leaf=lambda x: isinstance(x, Leaf)
-    )
-    return config, params
+    return config, {**params, "layers": layers}
+
+
+def _is_leaf(x):
+    return isinstance(x, Leaf)

@@ -1,6 +1,7 @@
 """Command line: `glm5next-jax {generate,logits,convert,info}` (see --help of each).
 
---checkpoint takes a transformers checkpoint directory or an orbax directory made by `convert`.
+--checkpoint takes a transformers checkpoint directory or an orbax directory made by `convert`;
+--mesh spreads the model over devices by a layout (`sharding.make_layout`: "tp-ep:8", "3d:2x2x2").
 generate and logits keep XLA's compiled programs in --compilation-cache (JAX's persistent cache), so
 a second run with the same shapes loads them rather than compiling again.
 """
@@ -43,23 +44,31 @@ def progress_bar(label):
     return show
 
 
-def load_model(path, dtype, progress=None):
-    """(config, params) from a transformers checkpoint or an orbax directory written by `convert`."""
+def layout_of(args):
+    from .sharding import make_layout
+
+    return None if args.mesh == "none" else make_layout(args.mesh)
+
+
+def load_model(path, dtype, layout=None, progress=None):
+    """(config, params) from a transformers checkpoint or an orbax directory written by `convert`,
+    each device reading its own shards under a layout."""
     from .checkpoint import load_checkpoint
     from .store import META, restore_params
 
     if os.path.exists(os.path.join(path, META)):
-        config, params = restore_params(path)
+        config, params = restore_params(path, layout=layout)
         if str(params["embed_tokens"].dtype) != dtype:
             raise ValueError(f"{path} holds {params['embed_tokens'].dtype} params; pass --dtype {params['embed_tokens'].dtype}")
         return config, params
-    return load_checkpoint(path, dtype, progress=progress)
+    return load_checkpoint(path, dtype, layout=layout, progress=progress)
 
 
 def cmd_generate(args):
     from .generate import generate
 
-    config, params = load_model(args.checkpoint, args.dtype)
+    layout = layout_of(args)
+    config, params = load_model(args.checkpoint, args.dtype, layout)
     tokenizer = None
     if args.tokenizer:
         from tokenizers import Tokenizer
@@ -84,7 +93,7 @@ def cmd_generate(args):
     start = time.perf_counter()
     out = generate(
         params, config, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, callback=on_token, latent_dtype=args.latent_dtype,
+        top_p=args.top_p, seed=args.seed, callback=on_token, latent_dtype=args.latent_dtype, layout=layout,
     )
     seconds = time.perf_counter() - start
     if stream:
@@ -107,10 +116,11 @@ def cmd_logits(args):
     import glm5next_jax
     from .generate import right_padded
 
-    config, params = load_model(args.checkpoint, args.dtype)
+    layout = layout_of(args)
+    config, params = load_model(args.checkpoint, args.dtype, layout)
     ids, mask = right_padded(parse_id_batch(args.ids))
     start = time.perf_counter()
-    logits = np.asarray(glm5next_jax.forward(params, config, ids, mask))
+    logits = np.asarray(glm5next_jax.forward(params, config, ids, mask, layout=layout))
     seconds = time.perf_counter() - start
     if args.out:
         np.save(args.out, logits)
@@ -124,8 +134,8 @@ def cmd_logits(args):
 def cmd_convert(args):
     from .store import save_params
 
-    config, params = load_model(args.checkpoint, args.dtype, progress=progress_bar("reading"))
-    save_params(args.out, params, config)
+    config, params = load_model(args.checkpoint, args.dtype, layout_of(args), progress=progress_bar("reading"))
+    save_params(args.out, params, config)  # each process writes its own shards
     print(f"wrote {args.out} ({args.dtype})")
 
 
@@ -160,6 +170,10 @@ def main(argv=None):
     def model_args(p, dtype="float32"):
         p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="checkpoint directory (default: the shipped tiny one)")
         p.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+        p.add_argument(
+            "--mesh", default="none", metavar="LAYOUT",
+            help='spread the model over devices: a preset and its size ("tp:8", "tp-ep:8", "dp-ep:8") or "3d:DxExM"',
+        )
 
     def compilation_cache_arg(p):
         p.add_argument(

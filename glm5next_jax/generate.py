@@ -12,6 +12,7 @@ import numpy as np
 from .cache import init_cache
 from .config import Config
 from .inference import decode_unchecked, prefill
+from .sharding import host_values
 
 
 @dataclasses.dataclass
@@ -109,7 +110,7 @@ def generate(
     for step in range(max_new_tokens):
         key, step_key = jax.random.split(key)
         tokens = sample(last, step_key, temperature=float(temperature), top_k=top_k, top_p=top_p)
-        host = np.asarray(tokens)
+        host = host_values(tokens)
         for b in np.nonzero(~finished)[0]:
             out[b].append(int(host[b]))
         finished |= np.isin(host, eos)

@@ -19,7 +19,7 @@ from .config import DSA, Config
 from .layers.dsa import dsa_layer_cached
 from .layers.kda import kda_layer_cached, kda_layer_decode
 from .model import check_ids_in_range, check_token_batch, decoder_layer, embed, final_logits
-from .sharding import shard_batch
+from .sharding import host_values, shard_batch
 
 
 def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, implementation, interpret, layout):
@@ -120,9 +120,7 @@ def check_cache(params, config: Config, cache, batch: int, n_new) -> None:
     """The engine's invariants, checked before any computation (raises ValueError)."""
     indexed = [i for i, layer in enumerate(cache["layers"]) if "indexer_length" in layer]
     # One transfer for every length the checks read (each is a wait on the device's queue).
-    lengths, indexer_lengths = jax.device_get(
-        (cache["lengths"], [cache["layers"][i]["indexer_length"] for i in indexed])
-    )
+    lengths, indexer_lengths = host_values((cache["lengths"], [cache["layers"][i]["indexer_length"] for i in indexed]))
     lengths = np.asarray(lengths)
     if lengths.shape != (batch,):
         raise ValueError(f"batch mismatch: the inputs have {batch} sequences, the cache {lengths.shape[0]}")

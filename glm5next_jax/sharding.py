@@ -172,5 +172,24 @@ def shard_params(params, config: Config, layout: Layout):
 
 
 def shard_batch(x, layout: Layout):
-    """Place a [B, ...] input with its batch split as the layout splits "batch"."""
-    return jax.device_put(x, layout.sharding(("batch",) + (None,) * (np.ndim(x) - 1)))
+    """Place a [B, ...] input (the same host array in every process) with its batch split as the
+    layout splits "batch"; each process places its own devices' rows."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.lax.with_sharding_constraint(x, layout.sharding(("batch",) + (None,) * (x.ndim - 1)))
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, layout.sharding(("batch",) + (None,) * (x.ndim - 1)))
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, layout.sharding(("batch",) + (None,) * (x.ndim - 1)), lambda i: x[i])
+
+
+def host_values(tree):
+    """The arrays of a tree as numpy, whole in every process (a multi-process array's other
+    processes' shards gathered first), fetched in one transfer."""
+    from jax.experimental import multihost_utils
+
+    def whole(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return multihost_utils.process_allgather(x, tiled=True)
+        return x
+
+    return jax.device_get(jax.tree.map(whole, tree))

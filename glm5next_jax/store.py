@@ -48,11 +48,16 @@ def save_params(path, params, config: Config):
         json.dump({"config": config.to_dict(), "dtype": str(params["embed_tokens"].dtype)}, f, indent=1)
 
 
-def restore_params(path, shardings=None):
-    """(config, params) saved by save_params, placed by `shardings` (a tree like param_shapes)."""
+def restore_params(path, shardings=None, *, layout=None):
+    """(config, params) saved by save_params, placed by `shardings` (a tree like param_shapes) or by a
+    layout's rules (each process reading its own devices' shards)."""
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
     config = Config(**meta["config"])
+    if layout is not None:
+        from .sharding import param_shardings
+
+        shardings = param_shardings(config, layout)
     target = _with_shardings(param_shapes(config, meta["dtype"]), shardings)
     return config, _restore(os.path.join(path, "params"), target)
 

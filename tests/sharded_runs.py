@@ -7,7 +7,8 @@ them), 4 layers (KDA, DSA, KDA, DSA; MoEs from the second), random fp32 paramete
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+DEVICES = int(os.environ.get("SHARDED_RUNS_DEVICES", "8"))  # a process's devices (4 in the 2-process run)
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
@@ -21,7 +22,7 @@ import glm5next_jax  # noqa: E402
 from conftest import traced_kernels  # noqa: E402
 from glm5next_jax import inference  # noqa: E402
 from glm5next_jax.cache import cache_axes, init_cache  # noqa: E402
-from glm5next_jax.sharding import make_layout, shard_params  # noqa: E402
+from glm5next_jax.sharding import host_values, make_layout, shard_params  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ["tp:8", "tp-ep:8", "dp-ep:8", "3d:2x2x2"]
@@ -144,5 +145,53 @@ def kernels_under_shard_map():
     return out
 
 
+def load_made_checkpoint(path, spec, logits_out):
+    """Load a checkpoint in fp32 on one device ("none") or onto a layout, then logits of 2 x 16 tokens
+    (saved to logits_out). Reports the peak RSS the load added beyond the bytes of the loaded arrays
+    (host memory that staging used), and what the devices hold."""
+    import resource
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    layout = None if spec == "none" else make_layout(spec)
+    jax.block_until_ready(jnp.zeros(8))  # the runtime's own memory before the load
+    before = rss()
+    config, params = glm5next_jax.load_checkpoint(path, "float32", layout=layout)
+    jax.block_until_ready(params)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    held = sum(shard.data.nbytes for leaf in jax.tree.leaves(params) for shard in leaf.addressable_shards)
+    ids = np.random.default_rng(0).integers(2, config.vocab_size, (2, 16)).astype(np.int32)
+    logits = np.asarray(glm5next_jax.forward(params, config, ids, layout=layout))
+    np.save(logits_out, logits)
+    gate_up = next(layer["mlp"]["experts_gate_up"] for layer in params["layers"] if "experts_gate_up" in layer["mlp"])
+    return {"staging_bytes": peak - before - held, "held_bytes": held, "devices": len(gate_up.sharding.device_set),
+            "expert_spec": str(getattr(gate_up.sharding, "spec", None))}
+
+
+def two_processes(checkpoint, logits_out, process_id="single", port="0"):
+    """Load a checkpoint onto a 2 x 2 x 2 mesh (its data axis across the processes when run as one of
+    two: `jax.distributed.initialize`, CPU collectives through gloo), prefill a ragged batch and run 3
+    decode steps; process 0 (or the single process) saves every logit."""
+    if process_id != "single":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(process_id))
+    layout = make_layout("3d:2x2x2")
+    config, params = glm5next_jax.load_checkpoint(checkpoint, "float32", layout=layout)
+    ids = np.random.default_rng(1).integers(2, config.vocab_size, (4, 24)).astype(np.int32)
+    mask = (np.arange(20)[None] < np.array([[20], [17], [20], [9]])).astype(np.int32)
+    cache = init_cache(config, 4, 32, dtype="float32", latent_dtype="float32", page_size=16, layout=layout)
+    logits, cache = glm5next_jax.prefill(params, config, ids[:, :20], mask, cache, layout=layout)
+    steps = [host_values(logits)[mask.astype(bool)]]
+    for i in range(3):
+        logits, cache = glm5next_jax.decode_step(params, config, ids[:, 20 + i], cache, layout=layout)
+        steps.append(host_values(logits))
+    if jax.process_index() == 0:
+        np.save(logits_out, np.concatenate(steps))
+    return {"process": jax.process_index(), "processes": jax.process_count(), "local_devices": jax.local_device_count(),
+            "lengths": host_values(cache["lengths"]).tolist()}
+
+
 if __name__ == "__main__":
-    print(json.dumps(globals()[sys.argv[1]]()))
+    print(json.dumps(globals()[sys.argv[1]](*sys.argv[2:])))

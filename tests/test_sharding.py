@@ -11,7 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, SHIPPED
+from conftest import ROOT, SHIPPED, record
 from jax.sharding import PartitionSpec as P
 
 from glm5next_jax import Config, param_axes, param_shapes
@@ -147,3 +147,86 @@ def test_sharded_forward_matches_transformers(goldens, tmp_path):
         assert r["error"] < 1e-4, (name, r)
         assert r["devices"] == 4
     assert sorted(r["expert_spec"] for r in out.values()) == ["P('expert', None, None, 'model')", "P(None, None, None, 'model')"]  # 1x2x2, 2x1x2
+
+
+def made_checkpoint(path, layers, settings):
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "checkpoints", "make_random.py"), str(path), "--layers", str(layers),
+         "--shard-gb", "0.25", *(f"--set={s}" for s in settings)],
+        capture_output=True, text=True, check=True,
+    )
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")), done
+
+
+def check_sharded_load(tmp_path, layers, settings, layout):
+    """A random release-format checkpoint loaded onto `layout` over 8 host devices: logits equal to
+    an unsharded load of the same files; the host memory the load stages (beyond the loaded arrays
+    themselves, which on host devices live in host memory) under 25% of the checkpoint."""
+    size, _ = made_checkpoint(tmp_path / "ckpt", layers, settings)
+    runs = {}
+    for spec in ("none", layout):
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        out = tmp_path / f"logits-{spec.replace(':', '_')}.npy"
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_runs.py"), "load_made_checkpoint",
+                               str(tmp_path / "ckpt"), spec, str(out)], env=env, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[spec] = {**json.loads(done.stdout.strip().splitlines()[-1]), "logits": np.load(out)}
+    sharded, single = runs[layout], runs["none"]
+    error = float(np.abs(sharded["logits"] - single["logits"]).max() / np.abs(single["logits"]).max())
+    record(f"sharded load ({size / 2**30:.2f} GiB): logits vs one device", error)
+    record(f"sharded load ({size / 2**30:.2f} GiB): host staging / checkpoint", sharded["staging_bytes"] / size)
+    assert error < 1e-5, error
+    assert sharded["devices"] == 8 and sharded["held_bytes"] > size  # fp32: twice the bf16 files
+    assert sharded["staging_bytes"] < 0.25 * size, (sharded["staging_bytes"], size)
+    return size, sharded, error
+
+
+# A model of 4 layers (3 KDA + dense MLP, then DSA + MoE: the released order) at a quarter of the
+# released widths.
+SMALL_MADE = ["hidden_size=1024", "intermediate_size=3072", "n_routed_experts=64", "moe_intermediate_size=256",
+              "vocab_size=8192", "linear_num_heads=8", "num_attention_heads=8", "num_key_value_heads=8"]
+
+
+def test_loading_a_made_checkpoint_straight_into_shards(tmp_path):
+    check_sharded_load(tmp_path, 4, SMALL_MADE, "tp-ep:8")
+
+
+@pytest.mark.slow
+def test_loading_released_widths_straight_into_shards(tmp_path):
+    """Hidden 4096, 288 experts, the released vocabulary and heads; each expert 256 wide (not 2048)
+    so that two fp32 loads fit this machine's memory: 6.5 GB of bf16 files."""
+    check_sharded_load(tmp_path, 4, ["moe_intermediate_size=256"], "tp-ep:8")
+
+
+TWO_PROCESS_MADE = ["hidden_size=256", "intermediate_size=512", "n_routed_experts=16", "moe_intermediate_size=64",
+                    "vocab_size=1024", "linear_num_heads=4", "linear_head_dim=64", "num_attention_heads=4",
+                    "num_key_value_heads=4", "q_lora_rank=128", "kv_lora_rank=64", "qk_nope_head_dim=32", "v_head_dim=32",
+                    "index_topk=16", "index_n_heads=4", "index_head_dim=32"]
+
+
+def test_two_processes_equal_one(tmp_path):
+    """`jax.distributed.initialize` over 2 processes of 4 host devices (CPU collectives through gloo),
+    the mesh's data axis across them: a sharded load, a ragged prefill and 3 decode steps give the
+    logits of one process of 8 devices."""
+    import socket
+
+    made_checkpoint(tmp_path / "ckpt", 4, TWO_PROCESS_MADE)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = str(s.getsockname()[1])
+    script = [sys.executable, os.path.join(ROOT, "tests", "sharded_runs.py"), "two_processes", str(tmp_path / "ckpt")]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", SHARDED_RUNS_DEVICES="4")
+    procs = [subprocess.Popen(script + [str(tmp_path / "two.npy"), str(i), port], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [(r["process"], r["processes"], r["local_devices"]) for r in reports] == [(0, 2, 4), (1, 2, 4)]
+    single = subprocess.run(script + [str(tmp_path / "one.npy")], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
+                            capture_output=True, text=True)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert reports[0]["lengths"] == reports[1]["lengths"] == json.loads(single.stdout.strip().splitlines()[-1])["lengths"]
+    two, one = np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy")
+    error = record("two processes vs one: prefill and decode logits", float(np.abs(two - one).max() / np.abs(one).max()))
+    assert error < 1e-5
