@@ -166,8 +166,21 @@ def load_made_checkpoint(path, spec, logits_out):
     logits = np.asarray(glm5next_jax.forward(params, config, ids, layout=layout))
     np.save(logits_out, logits)
     gate_up = next(layer["mlp"]["experts_gate_up"] for layer in params["layers"] if "experts_gate_up" in layer["mlp"])
-    return {"staging_bytes": peak - before - held, "held_bytes": held, "devices": len(gate_up.sharding.device_set),
-            "expert_spec": str(getattr(gate_up.sharding, "spec", None))}
+    report = {"staging_bytes": peak - before - held, "held_bytes": held, "devices": len(gate_up.sharding.device_set),
+              "expert_spec": str(getattr(gate_up.sharding, "spec", None))}
+    if layout is not None:  # what `convert --mesh` writes, restored onto the layout by `store`
+        import tempfile
+
+        from glm5next_jax.store import restore_params, save_params
+
+        with tempfile.TemporaryDirectory() as tmp:
+            save_params(tmp, params, config)
+            _, restored = restore_params(tmp, layout=layout)
+        report["restored_identical"] = all(
+            a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored))
+        )
+    return report
 
 
 def two_processes(checkpoint, logits_out, process_id="single", port="0"):

@@ -161,7 +161,8 @@ def made_checkpoint(path, layers, settings):
 def check_sharded_load(tmp_path, layers, settings, layout):
     """A random release-format checkpoint loaded onto `layout` over 8 host devices: logits equal to
     an unsharded load of the same files; the host memory the load stages (beyond the loaded arrays
-    themselves, which on host devices live in host memory) under 25% of the checkpoint."""
+    themselves, which on host devices live in host memory) under 25% of the checkpoint; saved by
+    `store` and restored onto the layout bit for bit."""
     size, _ = made_checkpoint(tmp_path / "ckpt", layers, settings)
     runs = {}
     for spec in ("none", layout):
@@ -177,6 +178,7 @@ def check_sharded_load(tmp_path, layers, settings, layout):
     record(f"sharded load ({size / 2**30:.2f} GiB): host staging / checkpoint", sharded["staging_bytes"] / size)
     assert error < 1e-5, error
     assert sharded["devices"] == 8 and sharded["held_bytes"] > size  # fp32: twice the bf16 files
+    assert sharded["restored_identical"]  # saved to orbax from the shards, restored onto the layout
     assert sharded["staging_bytes"] < 0.25 * size, (sharded["staging_bytes"], size)
     return size, sharded, error
 

@@ -1,0 +1,173 @@
+"""The released model compiled for 8 H200s without a GPU, per layout: per-device memory, the collective
+bytes of one step by kind, and a floor for the step's time from them.
+
+    .venv-gpu-compile/bin/python -m bench.sharded_compile [--layers 45] [--layouts tp:8,tp-ep:8,dp-ep:8]
+        [--phases decode,prefill] [--json bench/sharded_compile.json]
+
+Needs JAX's CUDA plugin (`.venv-gpu-compile`, see bench/decode_compile.py); nothing is materialised:
+parameters and caches are abstract arrays placed by the layout on 8 compile-only H200s
+(`jax.experimental.topologies`, topology 1x1x8), and the Pallas kernels lower for them. Phases:
+prefill of 8192 tokens (batch 1) and the decode step at batch 64 over 32768 cached tokens (fp8
+latents). Each compile runs in a child process (the released model's takes minutes).
+
+Collective bytes are each op's buffer (all-reduce: its operand; all-gather: its result; reduce-
+scatter: its operand; all-to-all and collective-permute: their operand), and what a device sends in
+a ring over its group of n: all-reduce 2 (n - 1) / n of it, the others (n - 1) / n. The floor is the
+per-device weight bytes over 4.3 TB/s (HBM) plus the sent bytes over 450 GB/s (NVLink, a direction).
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.decode_compile import H200_TARGET  # noqa: E402
+
+HBM = 4.3e12
+NVLINK = 450e9
+PHASES = {"prefill": dict(batch=1, tokens=8192), "decode": dict(batch=64, cached=32768)}
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
+         "f64": 8, "s64": 8}
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(hlo: str):
+    """{kind: (buffer bytes, bytes a device sends)} over the compiled module's collective ops."""
+    out = {kind: [0, 0.0] for kind in KINDS}
+    pattern = re.compile(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\((.*)")
+    for line in hlo.splitlines():
+        match = pattern.search(line)
+        if not match:
+            continue
+        result, kind, rest = match.groups()
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", result if kind == "all-gather" else rest.split(")")[0] + ")")
+        if kind != "all-gather" and not shapes:  # operands named without types: use the result
+            shapes = re.findall(r"(\w+)\[([\d,]*)\]", result)
+        size = sum(BYTES.get(t, 4) * _count(dims) for t, dims in shapes if t in BYTES)
+        n = _group_size(line)
+        out[kind][0] += size
+        out[kind][1] += size * (2 if kind == "all-reduce" else 1) * (n - 1) / max(n, 1)
+    return {k: {"buffer_bytes": v[0], "sent_bytes": v[1]} for k, v in out.items()}
+
+
+def _count(dims):
+    n = 1
+    for d in filter(None, dims.split(",")):
+        n *= int(d)
+    return n
+
+
+def _group_size(line):
+    """Devices in each replica group of a collective's HLO line (8 when it cannot be read)."""
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    if iota:
+        return int(iota.group(2))
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+    if mesh:
+        sizes = dict((k.strip("' "), int(v)) for k, v in (p.split("=") for p in mesh.group(1).split(",")))
+        return int(__import__("math").prod(sizes[a.strip("' ")] for a in mesh.group(2).split(",")))
+    return 8
+
+
+def compile_one(layout_spec, phase, layers):
+    """Compile one phase under one layout; its memory, collectives and floor as a dict."""
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # the plugin's checks need a driver
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+
+    import glm5next_jax
+    from glm5next_jax import inference
+    from glm5next_jax.cache import cache_axes
+    from glm5next_jax.params import param_axes, param_shapes
+    from glm5next_jax.sharding import make_layout
+
+    topology = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET, topology="1x1x8")
+    jax.config.update("jax_default_device", topology.devices[0])
+    jax.default_backend = lambda: "gpu"  # the library's GPU-only choices (kernels, the decode split)
+    layout = make_layout(layout_spec, devices=topology.devices)
+    config = glm5next_jax.Config() if layers is None else glm5next_jax.Config(num_hidden_layers=layers)
+
+    def placed(shapes, axes):
+        return jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.sharding(a)), shapes, axes,
+                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+    params = placed(param_shapes(config, "bfloat16"), param_axes(config))
+    p = PHASES[phase]
+    batch_axes = lambda n: ("batch",) + (None,) * (n - 1)  # noqa: E731
+    if phase == "decode":
+        max_len = p["cached"] + 64
+        cache = jax.eval_shape(lambda: glm5next_jax.init_cache(config, p["batch"], max_len, latent_dtype="float8_e4m3fn"))
+        cache = placed(cache, cache_axes(cache))
+        tokens = jax.ShapeDtypeStruct((p["batch"],), jnp.int32, sharding=layout.sharding(("batch",)))
+        traced = inference._decode.trace(params, config, tokens, cache, None, False, layout)
+    else:
+        cache = jax.eval_shape(lambda: glm5next_jax.init_cache(config, p["batch"], p["tokens"], latent_dtype="float8_e4m3fn"))
+        cache = placed(cache, cache_axes(cache))
+        ids = jax.ShapeDtypeStruct((p["batch"], p["tokens"]), jnp.int32, sharding=layout.sharding(batch_axes(2)))
+        valid = jax.ShapeDtypeStruct((p["batch"], p["tokens"]), jnp.bool_, sharding=layout.sharding(batch_axes(2)))
+        offset = jax.ShapeDtypeStruct((p["batch"],), jnp.int32, sharding=layout.sharding(("batch",)))
+        traced = inference._prefill.trace(params, config, ids, valid, offset, cache, None, False, layout)
+    start = time.perf_counter()
+    compiled = traced.lower().compile(compiler_options={"xla_gpu_autotune_level": 0})
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    weights = sum(
+        s.dtype.itemsize * _count(",".join(map(str, s.sharding.shard_shape(s.shape)))) for s in jax.tree.leaves(params)
+    )
+    found = collectives(compiled.as_text())
+    sent = sum(v["sent_bytes"] for v in found.values())
+    return {
+        "layout": layout_spec, "phase": phase, "layers": config.num_hidden_layers, "compile_s": round(seconds, 1),
+        "argument_bytes": memory.argument_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
+        "output_bytes": memory.output_size_in_bytes, "weight_bytes": weights, "collectives": found,
+        "floor_ms": 1e3 * (weights / HBM + sent / NVLINK),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, help="layers (default: the released 45)")
+    parser.add_argument("--layouts", default="tp:8,tp-ep:8,dp-ep:8")
+    parser.add_argument("--phases", default="decode,prefill")
+    parser.add_argument("--limit", type=float, default=1800, help="seconds a compile may take")
+    parser.add_argument("--json", help="append each result as a line of JSON here")
+    parser.add_argument("--one", nargs=2, metavar=("LAYOUT", "PHASE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(compile_one(*args.one, args.layers)))
+        return
+    gib = 2**30
+    print("| layout | phase | args GiB/dev | temp GiB/dev | weights GiB/dev | collective MiB/dev sent (AR/AG/RS/A2A/CP) | floor ms | compile s |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for layout in args.layouts.split(","):
+        for phase in args.phases.split(","):
+            cmd = [sys.executable, "-m", "bench.sharded_compile", "--one", layout, phase] + (
+                ["--layers", str(args.layers)] if args.layers else []
+            )
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit)
+            except subprocess.TimeoutExpired:
+                print(f"| {layout} | {phase} | not compiled in {args.limit:.0f} s |", flush=True)
+                continue
+            if done.returncode:
+                print(f"| {layout} | {phase} | failed: {done.stderr.strip().splitlines()[-1][:300]} |", flush=True)
+                continue
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+            sent = "/".join(f"{r['collectives'][k]['sent_bytes'] / 2**20:.1f}" for k in KINDS)
+            print(f"| {layout} | {phase} | {r['argument_bytes'] / gib:.1f} | {r['temp_bytes'] / gib:.1f} | "
+                  f"{r['weight_bytes'] / gib:.1f} | {sent} | {r['floor_ms']:.2f} | {r['compile_s']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
