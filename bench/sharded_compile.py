@@ -8,7 +8,8 @@ Needs JAX's CUDA plugin (`.venv-gpu-compile`, see bench/decode_compile.py); noth
 parameters and caches are abstract arrays placed by the layout on 8 compile-only H200s
 (`jax.experimental.topologies`, topology 1x1x8), and the Pallas kernels lower for them. Phases:
 prefill of 8192 tokens (batch 1) and the decode step at batch 64 over 32768 cached tokens (fp8
-latents). Each compile runs in a child process (the released model's takes minutes).
+latents); a layout that splits the batch (dp-ep) prefills one 8192-token sequence on each of its
+batch shards. Each compile runs in a child process (the released model's takes minutes).
 
 Collective bytes are each op's buffer (all-reduce: its operand; all-gather: its result; reduce-
 scatter: its operand; all-to-all and collective-permute: their operand), and what a device sends in
@@ -100,7 +101,9 @@ def compile_one(layout_spec, phase, layers):
                             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
     params = placed(param_shapes(config, "bfloat16"), param_axes(config))
-    p = PHASES[phase]
+    p = dict(PHASES[phase])
+    if phase == "prefill":  # a layout that splits the batch prefills one sequence a batch shard
+        p["batch"] = max(p["batch"], layout.size("batch"))
     batch_axes = lambda n: ("batch",) + (None,) * (n - 1)  # noqa: E731
     if phase == "decode":
         max_len = p["cached"] + 64
@@ -126,6 +129,7 @@ def compile_one(layout_spec, phase, layers):
     sent = sum(v["sent_bytes"] for v in found.values())
     return {
         "layout": layout_spec, "phase": phase, "layers": config.num_hidden_layers, "compile_s": round(seconds, 1),
+        "batch": p["batch"],
         "argument_bytes": memory.argument_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
         "output_bytes": memory.output_size_in_bytes, "weight_bytes": weights, "collectives": found,
         "floor_ms": 1e3 * (weights / HBM + sent / NVLINK),
@@ -145,8 +149,8 @@ def main():
         print(json.dumps(compile_one(*args.one, args.layers)))
         return
     gib = 2**30
-    print("| layout | phase | args GiB/dev | temp GiB/dev | weights GiB/dev | collective MiB/dev sent (AR/AG/RS/A2A/CP) | floor ms | compile s |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| layout | phase | batch | args GiB/dev | temp GiB/dev | weights GiB/dev | collective MiB/dev sent (AR/AG/RS/A2A/CP) | floor ms | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for layout in args.layouts.split(","):
         for phase in args.phases.split(","):
             cmd = [sys.executable, "-m", "bench.sharded_compile", "--one", layout, phase] + (
@@ -165,7 +169,7 @@ def main():
                 with open(args.json, "a") as f:
                     f.write(json.dumps(r) + "\n")
             sent = "/".join(f"{r['collectives'][k]['sent_bytes'] / 2**20:.1f}" for k in KINDS)
-            print(f"| {layout} | {phase} | {r['argument_bytes'] / gib:.1f} | {r['temp_bytes'] / gib:.1f} | "
+            print(f"| {layout} | {phase} | {r['batch']} | {r['argument_bytes'] / gib:.1f} | {r['temp_bytes'] / gib:.1f} | "
                   f"{r['weight_bytes'] / gib:.1f} | {sent} | {r['floor_ms']:.2f} | {r['compile_s']:.0f} |", flush=True)
 
 

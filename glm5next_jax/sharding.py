@@ -141,10 +141,6 @@ def make_layout(spec: str, devices=None) -> Layout:
     return Layout(make_mesh(**dims, devices=devices[:n]), rules, name)
 
 
-def single_device_layout() -> Layout:
-    return Layout(make_mesh(1, 1, 1, devices=jax.devices()[:1]), RULES, "3d")
-
-
 def param_shardings(config: Config, layout: Layout):
     return layout.shardings(param_axes(config))
 
@@ -174,12 +170,11 @@ def shard_params(params, config: Config, layout: Layout):
 def shard_batch(x, layout: Layout):
     """Place a [B, ...] input (the same host array in every process) with its batch split as the
     layout splits "batch"; each process places its own devices' rows."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return jax.lax.with_sharding_constraint(x, layout.sharding(("batch",) + (None,) * (x.ndim - 1)))
+    sharding = layout.sharding(("batch",) + (None,) * (np.ndim(x) - 1))
     if isinstance(x, jax.Array):
-        return jax.device_put(x, layout.sharding(("batch",) + (None,) * (x.ndim - 1)))
+        return jax.device_put(x, sharding)
     x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, layout.sharding(("batch",) + (None,) * (x.ndim - 1)), lambda i: x[i])
+    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
 
 def host_values(tree):
