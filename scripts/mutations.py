@@ -91,6 +91,20 @@ MUTATIONS = [
         ("tests/test_moe_gemm.py -k combine",),
     ),
     Mutation(
+        "the MoE ignores the layout (every device runs every expert)",
+        "glm5next_jax/layers/mlp.py",
+        "    if layout is None:\n        weights, experts = route(p, tokens, config)",
+        "    if True:\n        weights, experts = route(p, tokens, config)",
+        ("tests/test_sharding.py -k gathers_no_expert_weights",),
+    ),
+    Mutation(
+        "the KDA decode step called outside shard_map",
+        "glm5next_jax/layers/kda.py",
+        "    o, conv_state, state = shard_mapped(layout, step, in_axes,",
+        "    o, conv_state, state = shard_mapped(None, step, in_axes,",
+        ("tests/test_sharding.py -k inside_a_shard_map",),
+    ),
+    Mutation(
         "bf16 logits 5% off",
         "glm5next_jax/model.py",
         '    x = rms_norm(streams.mean(axis=-2), params["norm"], config.rms_norm_eps)\n',

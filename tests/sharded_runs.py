@@ -2,7 +2,7 @@
 fixed when JAX starts): `python tests/sharded_runs.py NAME` prints one JSON line.
 
 The model: the shipped checkpoint's widths with 8 KDA and 8 DSA heads (so that 8 devices split
-them), 4 layers (KDA, DSA, KDA, DSA; MoEs from the second), random fp32 parameters."""
+them), 2 layers (KDA, DSA; each with a MoE), random fp32 parameters."""
 
 import os
 import sys
@@ -31,10 +31,10 @@ BATCH, PROMPT, STEPS = 8, 37, 5
 
 def model(dtype="float32"):
     config = glm5next_jax.Config.from_hf(os.path.join(ROOT, "checkpoints", "glm5next-tiny")).replace(
-        num_hidden_layers=4,
-        layer_types=("linear_attention", "indexed_attention") * 2,
-        mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
-        indexer_types=("full",) * 4,
+        num_hidden_layers=2,
+        layer_types=("linear_attention", "indexed_attention"),
+        mlp_layer_types=("sparse", "sparse"),
+        indexer_types=("full",) * 2,
         linear_num_heads=8,
         linear_head_dim=16,
         num_attention_heads=8,
@@ -115,8 +115,8 @@ def collectives_of_the_decode_step():
         hlo = inference._decode.lower(sharded, config, tokens, cache, None, False, layout).compile().as_text()
         gathers = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} all-gather(?:-start)?\(", hlo)
         out[spec] = {"all_gathers": [[dtype, [int(d) for d in dims.split(",") if d]] for dtype, dims in gathers]}
-    gate_up = params["layers"][1]["mlp"]["experts_gate_up"]
-    out["expert_weights"] = {"gate_up": list(gate_up.shape), "down": list(params["layers"][1]["mlp"]["experts_down"].shape)}
+    moe = params["layers"][1]["mlp"]
+    out["expert_weights"] = {"gate_up": list(moe["experts_gate_up"].shape), "down": list(moe["experts_down"].shape)}
     return out
 
 
@@ -149,18 +149,20 @@ def load_made_checkpoint(path, spec, logits_out):
     """Load a checkpoint in fp32 on one device ("none") or onto a layout, then logits of 2 x 16 tokens
     (saved to logits_out). Reports the peak RSS the load added beyond the bytes of the loaded arrays
     (host memory that staging used), and what the devices hold."""
-    import resource
 
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    def status(field):  # this process's memory (VmRSS now, VmHWM its peak), in bytes
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
     layout = None if spec == "none" else make_layout(spec)
     jax.block_until_ready(jnp.zeros(8))  # the runtime's own memory before the load
-    before = rss()
+    # The peak from here on (getrusage's ru_maxrss would count the forking parent's size too).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
     config, params = glm5next_jax.load_checkpoint(path, "float32", layout=layout)
     jax.block_until_ready(params)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status("VmHWM")
     held = sum(shard.data.nbytes for leaf in jax.tree.leaves(params) for shard in leaf.addressable_shards)
     ids = np.random.default_rng(0).integers(2, config.vocab_size, (2, 16)).astype(np.int32)
     logits = np.asarray(glm5next_jax.forward(params, config, ids, layout=layout))

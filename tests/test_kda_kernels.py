@@ -120,7 +120,7 @@ def test_intra_decay_against_a_float64_cumsum(t, lengths, h, d):
     np.testing.assert_allclose(decay, want, rtol=1e-4, atol=1e-37)
 
 
-@pytest.mark.parametrize("o_products", [1, 2])
+@pytest.mark.parametrize("o_products", [pytest.param(1, marks=pytest.mark.slow), 2])  # 2: a bf16 o's default
 def test_chain_with_fewer_output_products(o_products):
     """q_w S in fewer bf16 products changes o alone: the state equals the three-product form's bit for
     bit, and o (fp32 here, to see the products' own error) stays within bf16's precision of the
@@ -186,7 +186,8 @@ def test_chain_multicast_refuses_a_single_value_block():
         kda_chain.chain(*parts, out_dtype=jnp.bfloat16, block_v=64, multicast=True)
 
 
-@pytest.mark.parametrize("block_v, multicast", [(32, True), (64, False)])
+# 64 columns in one slot: the default over several waves; 32 in one slot with multicast: an option.
+@pytest.mark.parametrize("block_v, multicast", [pytest.param(32, True, marks=pytest.mark.slow), (64, False)])
 def test_chain_with_one_value_slot_matches_two_slots(block_v, multicast):
     """The key tiles in two slots, u and A_qk u in one each (fetched anew once in registers): what
     the two-slot form computes, bit for bit at the same block width (at 64 columns the wgmmas sum in
