@@ -7,6 +7,8 @@ them), 2 layers (KDA, DSA; each with a MoE), random fp32 parameters."""
 import os
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this tree's library, not an installed copy (the mutation runs test copies)
 DEVICES = int(os.environ.get("SHARDED_RUNS_DEVICES", "8"))  # a process's devices (4 in the 2-process run)
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -24,7 +26,6 @@ from glm5next_jax import inference  # noqa: E402
 from glm5next_jax.cache import cache_axes, init_cache  # noqa: E402
 from glm5next_jax.sharding import host_values, make_layout, shard_params  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ["tp:8", "tp-ep:8", "dp-ep:8", "3d:2x2x2"]
 BATCH, PROMPT, STEPS = 8, 37, 5
 
