@@ -73,10 +73,10 @@ def compile_seconds(mlps, options, deviceless=False):
         os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # the plugin's checks need a driver
     import jax
     import jax.numpy as jnp
+    from model_gpu import wider_config
 
     import glm5next_jax
     from glm5next_jax import inference
-    from model_gpu import wider_config
 
     sharding = compile_only_h200() if deviceless else None
     config = wider_config(mlps)

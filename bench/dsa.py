@@ -60,7 +60,7 @@ CHECKS = [  # (B, T, H, R, S, W): head padding and groups, ragged blocks, one ro
 
 def check():
     """The kernel on the GPU against the fp32 reference on random selections, repeats included; then
-    the paged fp8 read (`tests/test_latent_attention.py::test_paged_cache` on the GPU)."""
+    the paged fp8 read (`tests/kernels/test_latent_attention.py::test_paged_cache` on the GPU)."""
     log("| check (B, T, H, R, S, W) | error, distinct | error, with repeats |")
     log("| --- | --- | --- |")
     rng = np.random.default_rng(0)

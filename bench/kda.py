@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import kda, kda_decode, kda_intra, kda_triton
+from pallas_kernels import decode_fused_triton, decode_update_mosaic, kda, prefill_intra_mosaic
 
 PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
 DECODE_BATCHES = [1, 64, 256]
-CONFIGS = {  # the serial chain's options (kda_chain.chunk_scan): value columns per program, buffering
+CONFIGS = {  # the serial chain's options (prefill_chain_mosaic.chunk_scan): value columns per program, buffering
     "default": {},
     "v16": {"block_v": 16},
     "v32": {"block_v": 32},  # 32 columns, u and A_qk u in two slots: the default in one wave
@@ -260,7 +260,7 @@ def intra_ms(q, k, v, g, beta, interpret=False):
     serial chain."""
     b, t = q.shape[:2]
     lengths = jnp.full((b,), t, jnp.int32)
-    fn = jax.jit(lambda q, k, v, g, beta: kda_intra.intra(  # as a bf16 o's scan runs it: q_w's hi half alone
+    fn = jax.jit(lambda q, k, v, g, beta: prefill_intra_mosaic.intra(  # as a bf16 o's scan runs it: q_w's hi half alone
         q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(jnp.float32), lengths, qw_lo=False, interpret=interpret))
     return dispatched_ms(fn, q, k, v, g, beta)
 
@@ -358,7 +358,7 @@ def bench_decode(hbm, variants, d=128):
                 kernels = ("kda_decode_token_vectors", "kda_decode_update")
 
                 def call(conv_state, state, block_v=block_v, token_warps=token_warps):
-                    return kda_decode.decode_step(
+                    return decode_update_mosaic.two_kernel_decode_step(
                         conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v,
                         token_warps=token_warps, interpret=INTERPRET,
                     )
@@ -368,7 +368,7 @@ def bench_decode(hbm, variants, d=128):
                 kernels = "kda_decode_step"
 
                 def call(conv_state, state, block_v=block_v, warps=warps):
-                    return kda_triton.decode_step(
+                    return decode_fused_triton.fused_decode_step(
                         conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v, num_warps=warps,
                         interpret=INTERPRET,
                     )

@@ -11,11 +11,11 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 import kda as bench
+import numpy as np
 from kda_intra_check import CASES, inputs
-from pallas_kernels import kda_chain, kda_intra
+
+from pallas_kernels.kda import prefill_chain_mosaic, prefill_intra_mosaic
 
 
 def main():
@@ -28,14 +28,14 @@ def main():
     out_dtype = jnp.dtype(options.out_dtype)
     for case in (tuple(int(x) for x in case.split(",")) for case in options.cases.split(";")):
         q, k, v, g, beta, lengths = jax.device_put(inputs(*case), cpu)
-        parts = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))(q, k, v, g, beta, lengths)
+        parts = jax.jit(lambda *a: prefill_intra_mosaic.intra(*a, interpret=True))(q, k, v, g, beta, lengths)
         s0 = jax.device_put(jax.random.normal(jax.random.key(1), (case[0], case[2], case[3], case[3])), cpu)
         first = None
         for name in options.configs.split(","):
             cfg = {"multicast": False, **bench.CONFIGS[name]}
 
             def chain(*a, interpret, cfg=cfg):
-                return kda_chain.chain(*a, out_dtype=out_dtype, interpret=interpret, **cfg)
+                return prefill_chain_mosaic.chain(*a, out_dtype=out_dtype, interpret=interpret, **cfg)
 
             got = jax.jit(lambda *a: chain(*a, interpret=False))(*jax.device_put((*parts, s0), jax.devices()[0]))
             want = jax.jit(lambda *a: chain(*a, interpret=True))(*parts, s0)

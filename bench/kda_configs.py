@@ -15,10 +15,10 @@ import hashlib
 
 import jax
 import jax.numpy as jnp
+import kda as bench
 import numpy as np
 
-import kda as bench
-from pallas_kernels import kda, kda_chain
+from pallas_kernels import kda, prefill_chain_mosaic
 
 
 def digest(*arrays):
@@ -33,7 +33,7 @@ def compare(shape, names, interpret, digests=0):
     first = None
     for name in names:
         cfg = bench.CONFIGS[name]
-        scan = jax.jit(lambda q, k, v, g, beta, cfg=cfg: kda_chain.chunk_scan(
+        scan = jax.jit(lambda q, k, v, g, beta, cfg=cfg: prefill_chain_mosaic.chunk_scan(
             q, k, v, g, beta, s0, lengths, out_dtype=jnp.bfloat16, interpret=interpret, **cfg))
         o, s = scan(q, k, v, g, beta)
         runs = [(lambda o, s: digest(o[:, :t], s))(*scan(q, k, v, g, beta)) for _ in range(digests)]

@@ -3,8 +3,8 @@ D = 128 (ms per step from a profiler trace of 20 steps unrolled in one jit, the 
 `bench/kda.py` times the step):
 
 1. `token side`: the token vectors computed by XLA's own fusions of
-   `kda.decode_token_vectors_reference` before `kda_decode.update_state`, against the Triton token
-   kernel (`kda_decode.decode_step`). Every GPU kernel of a step is summed, since XLA names its
+   `kda.decode_token_vectors_reference` before `decode_update_mosaic.update_state`, against the Triton token
+   kernel (`decode_update_mosaic.two_kernel_decode_step`). Every GPU kernel of a step is summed, since XLA names its
    fusions as it likes.
 2. `cache preference`: the CUDA context's L1 / shared-memory preference, read after JAX has
    started, then set to prefer L1 and back to none (libcuda through ctypes), timing the fused Triton
@@ -24,9 +24,9 @@ import statistics
 import tempfile
 
 import jax
-
 import kda as bench
-from pallas_kernels import kda, kda_decode, kda_triton
+
+from pallas_kernels import decode_fused_triton, decode_update_mosaic, kda
 
 CACHE_CONFIGS = {0: "none", 1: "shared", 2: "L1", 3: "equal"}  # CUfunc_cache
 
@@ -62,13 +62,13 @@ def steps(b, h=64, d=128):
         vectors, conv_state = kda.decode_token_vectors_reference(
             token_inputs[0], conv_state, *token_inputs[2:], lower_bound=-5.0
         )
-        return conv_state, kda_decode.update_state(vectors, state, out_dtype=x["qkv"].dtype)[1]
+        return conv_state, decode_update_mosaic.update_state(vectors, state, out_dtype=x["qkv"].dtype)[1]
 
     def two_kernels(conv_state, state):
-        return kda_decode.decode_step(conv_state=conv_state, state=state, **fixed, lower_bound=-5.0)[1:]
+        return decode_update_mosaic.two_kernel_decode_step(conv_state=conv_state, state=state, **fixed, lower_bound=-5.0)[1:]
 
     def fused_triton(conv_state, state):
-        return kda_triton.decode_step(conv_state=conv_state, state=state, **fixed, lower_bound=-5.0)[1:]
+        return decode_fused_triton.fused_decode_step(conv_state=conv_state, state=state, **fixed, lower_bound=-5.0)[1:]
 
     return (x["conv_state"], x["state"]), xla_token_side, two_kernels, fused_triton
 

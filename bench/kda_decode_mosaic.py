@@ -15,7 +15,7 @@ Timed as bench/kda.py times the step (the kernel's GPU time in a profiler trace 
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_decode_mosaic.py [--batches 64,256] [--configs model,64x4x132]
 
-`model` times the model's kernel (`kda_decode.update_state`, 32 columns, one CTA per slab, the state
+`model` times the model's kernel (`decode_update_mosaic.update_state`, 32 columns, one CTA per slab, the state
 updated in place) on the same inputs: in the step it ran at 89-90% where 32x1x0, which writes a
 second buffer, ran at 92-93% (bench/RESULTS.md, seventeenth session).
 """
@@ -25,13 +25,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import kda as bench
+import kda_decode_parts as parts
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-import kda as bench
-import kda_decode_parts as parts
-from pallas_kernels import kda, kda_decode
+from pallas_kernels import decode_update_mosaic, kda
 
 _F32 = jnp.float32
 
@@ -39,7 +39,7 @@ _F32 = jnp.float32
 def state_update(vectors, state, *, block_v=64, stages=3, ctas=132, interpret=False):
     """vectors [B, H, 4, d] (q, sqrt(beta) k, decay, sqrt(beta) v), state [B, H, d, d] fp32:
     (o [B, H, dv] bf16, the new state), by `ctas` persistent CTAs with `stages` slabs in flight, each
-    slab updated by `kda_decode.update_slab` (the model's kernel, one CTA per slab, is this with
+    slab updated by `decode_update_mosaic.update_slab` (the model's kernel, one CTA per slab, is this with
     one stage and a CTA per slab, the state updated in place)."""
     b, h, dk, dv = state.shape
     nv = dv // block_v
@@ -67,7 +67,7 @@ def state_update(vectors, state, *, block_v=64, stages=3, ctas=132, interpret=Fa
         def _(i):
             slot = i % stages
             plgpu.barrier_wait(arrived.at[slot])
-            kda_decode.update_slab(s_buf.at[slot], rows_buf.at[slot], v_buf.at[slot], o_buf.at[slot])
+            decode_update_mosaic.update_slab(s_buf.at[slot], rows_buf.at[slot], v_buf.at[slot], o_buf.at[slot])
             plgpu.commit_smem()
             bi, hi, cs = where(i)
             plgpu.copy_smem_to_gmem(s_buf.at[slot], s_out_ref.at[bi, hi, :, cs], commit_group=False)
@@ -84,7 +84,7 @@ def state_update(vectors, state, *, block_v=64, stages=3, ctas=132, interpret=Fa
         out_type=(jax.ShapeDtypeStruct((b, h, dv), jnp.bfloat16), jax.ShapeDtypeStruct(state.shape, _F32)),
         grid=(ctas,), grid_names=("cta",),
         scratch_types=(
-            plgpu.SMEM((stages, dk, block_v), _F32, transforms=kda_decode.SLAB_TRANSFORMS),
+            plgpu.SMEM((stages, dk, block_v), _F32, transforms=decode_update_mosaic.SLAB_TRANSFORMS),
             plgpu.SMEM((stages, 3, dk), _F32),
             plgpu.SMEM((stages, block_v), _F32),
             plgpu.SMEM((stages, block_v), jnp.bfloat16),
@@ -101,7 +101,7 @@ def main():
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--configs", default="model,32x1x0,64x4x132,64x6x132",
                         help="block_v x stages x CTAs (0 CTAs: one per slab), or model: the model's kernel,"
-                             " kda_decode.update_state (32x1x0 with the state updated in place)")
+                             " decode_update_mosaic.update_state (32x1x0 with the state updated in place)")
     args = parser.parse_args()
     h, d = 64, 128
     for b, x, ref, roof in parts.decode_cases(args.batches, h, d):
@@ -110,9 +110,9 @@ def main():
         )
         for config in args.configs.split(","):
             if config == "model":
-                update = functools.partial(kda_decode.update_state, out_dtype=jnp.bfloat16)
+                update = functools.partial(decode_update_mosaic.update_state, out_dtype=jnp.bfloat16)
                 call = jax.jit(lambda state, update=update: update(vectors, state), donate_argnums=0)
-                name, kernel = f"B={b} state only, kda_decode.update_state (in place)", "kda_decode_update"
+                name, kernel = f"B={b} state only, decode_update_mosaic.update_state (in place)", "kda_decode_update"
             else:
                 block_v, stages, ctas = (int(n) for n in config.split("x"))
                 ctas = ctas or b * h * d // block_v

@@ -3,12 +3,12 @@
 in one jit, the state donated; the wall time per step beside it), in ms and % of the state-bytes
 roofline:
   - XLA's in-place elementwise pass over the state (the floor under this timing);
-  - `state only`: the step's slab update alone (`kda_triton.slab_update`), its token vectors (q, k
+  - `state only`: the step's slab update alone (`decode_fused_triton.slab_update`), its token vectors (q, k
     normalised, v, decay, beta) given in fp32 as fla's step takes them: what the state streaming
     costs without the conv, SiLU, norms and gate;
   - the token vectors computed by XLA alone (wall time of one jitted call; the work the fused step
     adds per program);
-  - the fused step `kda_triton.decode_step` at each launch shape (block_v x warps).
+  - the fused step `decode_fused_triton.fused_decode_step` at each launch shape (block_v x warps).
 Errors of the fused step against the reference as in bench/kda.py.
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/kda_decode_parts.py [--batches 64,256] [--shapes 64x4,32x4]
@@ -19,11 +19,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import kda as bench
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-import kda as bench
-from pallas_kernels import kda, kda_triton
+from pallas_kernels import decode_fused_triton, kda
 
 
 def _state_only_kernel(q_ref, k_ref, v_ref, decay_ref, beta_ref, s_ref, o_ref, s_out_ref, *, block_v):
@@ -31,7 +31,7 @@ def _state_only_kernel(q_ref, k_ref, v_ref, decay_ref, beta_ref, s_ref, o_ref, s
     cols = pl.ds(vb * block_v, block_v)
     s = s_ref[b, h, :, cols]
     q, k = q_ref[b, h, :], k_ref[b, h, :]
-    s_out_ref[b, h, :, cols], o = kda_triton.slab_update(
+    s_out_ref[b, h, :, cols], o = decode_fused_triton.slab_update(
         s, q, k, v_ref[b, h, cols], decay_ref[b, h, :], beta_ref[b, h], q_scale=1.0, k_scale=1.0
     )
     o_ref[b, h, cols] = o.astype(o_ref.dtype)
@@ -105,7 +105,7 @@ def main():
             block_v, warps = (int(n) for n in shape.split("x"))
 
             def step(conv_state, state, block_v=block_v, warps=warps):
-                return kda_triton.decode_step(
+                return decode_fused_triton.fused_decode_step(
                     conv_state=conv_state, state=state, **fixed, lower_bound=-5.0, block_v=block_v,
                     num_warps=warps,
                 )

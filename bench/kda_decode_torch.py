@@ -5,7 +5,7 @@ in one CUDA graph beside it), beside fla's own step (H = 64, D = 128, ms and % o
 roofline):
   - torch's in-place multiply of the state (torch's floor, as XLA's pass is ours);
   - `state only` written in plain Triton, compiled by the triton package (not by XLA's pipeline):
-    the same slab update as `kda_triton.slab_update` and bench/kda_decode_parts.py's state-only
+    the same slab update as `decode_fused_triton.slab_update` and bench/kda_decode_parts.py's state-only
     Pallas kernel, the token vectors given in fp32; with and without floating-point contraction
     (fused multiply-adds), which XLA's pipeline does not do, and with the SM's shared memory
     carveout at 100% (the split between L1 and shared memory that XLA's launches get), 0 and the
@@ -19,11 +19,10 @@ Run beside bench/kda_decode_parts.py to compare with the Pallas kernels timed th
 
 import argparse
 
+import kda as bench
 import torch
 import triton
 import triton.language as tl
-
-import kda as bench
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kda, kda_intra
+from pallas_kernels import kda, prefill_intra_mosaic
 
 CASES = [(1, 1, 1, 128), (2, 128, 1, 64), (1, 130, 2, 64), (3, 200, 4, 128)]
 NAMES = ("w", "u hi", "u lo", "q_w hi", "q_w lo", "A_qk u hi", "A_qk u lo", "kd hi", "kd lo", "exp(G_last)")
@@ -40,13 +40,13 @@ def inputs(b, t, h, d, seed=0, gate=None):
     return q, k, v, g, beta, lengths
 
 
-interpreted_intra = jax.jit(lambda *a: kda_intra.intra(*a, interpret=True))
+interpreted_intra = jax.jit(lambda *a: prefill_intra_mosaic.intra(*a, interpret=True))
 
 
 def compare_intra(case, args):
     """The intra kernel compiled against interpreted, output by output (max|d| / max|interpreted|)."""
     valid = np.arange(-(-case[1] // 64) * 64)[None, :] < np.asarray(args[-1])[:, None]  # [B, T']
-    got = jax.jit(kda_intra.intra)(*args)
+    got = jax.jit(prefill_intra_mosaic.intra)(*args)
     cpu_args = jax.device_put(args, jax.devices("cpu")[0])
     want = interpreted_intra(*cpu_args)
     line = []

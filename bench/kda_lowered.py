@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
 from jax.experimental.mosaic.gpu import core as mosaic_core
 
-from pallas_kernels import kda_chain
+from pallas_kernels.kda import prefill_chain_mosaic
 
 
 def lowered_kernels(shape, options):
@@ -31,10 +31,10 @@ def lowered_kernels(shape, options):
         modules.append(module.operation.get_asm(enable_debug_info=False))
         return result
 
-    args = kda_chain.scan_arg_shapes(*shape)
+    args = prefill_chain_mosaic.scan_arg_shapes(*shape)
     pallas_lowering.ModuleContext.__init__, mosaic_core.lower_mgpu_module = record_request, record_module
     try:
-        kda_chain.lower_for_h200(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16, **options), *args)
+        prefill_chain_mosaic.lower_for_h200(lambda *a: prefill_chain_mosaic.chunk_scan(*a, out_dtype=jnp.bfloat16, **options), *args)
     finally:
         pallas_lowering.ModuleContext.__init__, mosaic_core.lower_mgpu_module = init, lower
     return [(name, smem, text) for (name, smem), text in zip(requests, modules, strict=True)]
@@ -43,7 +43,7 @@ def lowered_kernels(shape, options):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="1,16384,16,128;2,130,3,64")
-    parser.add_argument("--options", default="{}", help="keyword arguments of kda_chain.chunk_scan, as JSON")
+    parser.add_argument("--options", default="{}", help="keyword arguments of prefill_chain_mosaic.chunk_scan, as JSON")
     args = parser.parse_args()
     options = json.loads(args.options)
     print("| (B, T, H, D) | kernel | SMEM bytes | module bytes (printed) | sha256 of the module, first 16 |")

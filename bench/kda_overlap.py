@@ -17,11 +17,11 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+import kda as bench
 from jax.experimental.compute_on import compute_on
 
-import kda as bench
-from pallas_kernels import kda_chain, kda_intra
-from pallas_kernels.kda_intra import CHUNK
+from pallas_kernels.kda import prefill_chain_mosaic, prefill_intra_mosaic
+from pallas_kernels.kda.prefill_intra_mosaic import CHUNK
 
 
 def pipelined_scan(q, k, v, g, beta, s0, lengths, *, pieces, stream):
@@ -32,14 +32,14 @@ def pipelined_scan(q, k, v, g, beta, s0, lengths, *, pieces, stream):
     for start in range(0, t, size):
         end = min(start + size, t)
         piece_lengths = jnp.clip(lengths - start, 0, end - start)
-        parts = kda_intra.intra(
+        parts = prefill_intra_mosaic.intra(
             q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta_bht[..., start:end],
             piece_lengths, qw_lo=False,
         )
 
         def chain(parts, state):  # the scan's own options for the shape
-            block_v, value_slots, multicast = kda_chain.default_options(b, h, d, jnp.bfloat16)
-            return kda_chain.chain(
+            block_v, value_slots, multicast = prefill_chain_mosaic.default_options(b, h, d, jnp.bfloat16)
+            return prefill_chain_mosaic.chain(
                 *parts, state, out_dtype=jnp.bfloat16, block_v=block_v, value_slots=value_slots, multicast=multicast
             )
 
@@ -62,7 +62,7 @@ def main():
         q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
         lengths = jnp.full((b,), t, jnp.int32)
         s0 = jnp.zeros((b, h, d, d), jnp.float32)
-        plain = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16))
+        plain = jax.jit(lambda *a: prefill_chain_mosaic.chunk_scan(*a, out_dtype=jnp.bfloat16))
         o_ref, s_ref = plain(q, k, v, g, beta, s0, lengths)
         bench.log(f"B={b} T={t} H={h}: plain scan {bench.dispatched_ms(plain, q, k, v, g, beta, s0, lengths):.3f} ms")
         for pieces in (int(p) for p in args.pieces.split(",")):

@@ -8,9 +8,9 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-
 import kda as bench
-from pallas_kernels import kda_chain
+
+from pallas_kernels.kda import prefill_chain_mosaic
 
 
 def time_parts(shape, cfg, label, interpret=False):
@@ -18,7 +18,7 @@ def time_parts(shape, cfg, label, interpret=False):
     q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, d))
     lengths = jnp.full((b,), t, jnp.int32)
     s0 = jnp.zeros((b, h, d, d), jnp.float32)
-    scan = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16, interpret=interpret, **cfg))
+    scan = jax.jit(lambda *a: prefill_chain_mosaic.chunk_scan(*a, out_dtype=jnp.bfloat16, interpret=interpret, **cfg))
     intra = bench.intra_ms(q, k, v, g, beta, interpret)
     total = bench.dispatched_ms(scan, q, k, v, g, beta, s0, lengths)
     bench.log(f"{label:12s} B={b} T={t} H={h}: scan {total:.3f} ms = intra {intra:.3f} + chain {total - intra:.3f}")

@@ -29,11 +29,12 @@ def dump(shape, into):
 
     sys.path.insert(0, str(Path(__file__).parent))
     import kda as bench
-    from pallas_kernels import kda_chain
+
+    from pallas_kernels.kda import prefill_chain_mosaic
 
     b, t, h = shape
     q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, 128))
-    scan = jax.jit(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16))
+    scan = jax.jit(lambda *a: prefill_chain_mosaic.chunk_scan(*a, out_dtype=jnp.bfloat16))
     jax.block_until_ready(scan(q, k, v, g, beta, jnp.zeros((b, h, 128, 128)), jnp.full((b,), t, jnp.int32)))
 
 

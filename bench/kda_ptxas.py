@@ -41,7 +41,7 @@ def lowered_kernels(decode_block_v):
     import jax.numpy as jnp
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
-    from pallas_kernels import kda_triton
+    from pallas_kernels.kda import decode_fused_triton
 
     gpu_info.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
     modules = []
@@ -59,9 +59,9 @@ def lowered_kernels(decode_block_v):
         jnp.zeros((b, 3, c), jnp.bfloat16), jnp.zeros((b, 3, c, 4), jnp.bfloat16), jnp.zeros((4, 3, c)),
         jnp.zeros((b, c), jnp.bfloat16), jnp.zeros((c,)), jnp.zeros((h,)), jnp.zeros((b, h), jnp.bfloat16),
     )
-    step = jax.jit(lambda *a: kda_triton.decode_step(*a, lower_bound=-5.0, block_v=decode_block_v))
+    step = jax.jit(lambda *a: decode_fused_triton.fused_decode_step(*a, lower_bound=-5.0, block_v=decode_block_v))
     step.trace(*token_args, jnp.zeros((b, h, d, d))).lower(lowering_platforms=("cuda",))
-    token_vectors = jax.jit(lambda *a: kda_triton.token_vectors(*a, lower_bound=-5.0))
+    token_vectors = jax.jit(lambda *a: decode_fused_triton.token_vectors(*a, lower_bound=-5.0))
     token_vectors.trace(*token_args).lower(lowering_platforms=("cuda",))
     return dict(zip(["kda_decode_step", "kda_decode_token_vectors"], modules, strict=True))
 

@@ -20,8 +20,8 @@ import sys
 
 import jax
 import jax.numpy as jnp
-
 from model_gpu import fusion_sources, trace_kernels
+
 from pallas_kernels import select_tokens
 
 SHAPES = {  # name: (batch, queries, keys in the cache, valid keys)

@@ -170,7 +170,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--layers", type=int, help="num_hidden_layers (default: the released 45)")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a config field, e.g. moe_intermediate_size=256")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="a config field, e.g. moe_intermediate_size=256"
+    )
     parser.add_argument("--shard-gb", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -211,7 +211,8 @@ def read_moe(r: Reader, L: str, c: Config):
         per_expert = []
         for j in range(e):
             x = m + f"experts.{j}."
-            per_expert.append([r.take(x + n, s) for n, s in (("gate_proj.weight", (i, d)), ("up_proj.weight", (i, d)), ("down_proj.weight", (d, i)))])
+            parts = (("gate_proj.weight", (i, d)), ("up_proj.weight", (i, d)), ("down_proj.weight", (d, i)))
+            per_expert.append([r.take(x + n, s) for n, s in parts])
         whole = all(_all(*views) for views in per_expert)
         gate_up = Stack([Stack([g.T, u.T], axis=1) for g, u, _ in per_expert], axis=0) if whole else None
         down = Stack([dn.T for _, _, dn in per_expert], axis=0) if whole else None
@@ -326,7 +327,8 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None):
         from .sharding import check_divisible, param_shardings
 
         shardings = param_shardings(config, layout)
-        check_divisible(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32), spec, is_leaf=_is_leaf), shardings)
+        shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32), spec, is_leaf=_is_leaf)
+        check_divisible(shapes, shardings)
     else:
         shardings = jax.tree.map(lambda _: None, spec, is_leaf=_is_leaf)
 

@@ -114,6 +114,7 @@ def cmd_generate(args):
 
 def cmd_logits(args):
     import glm5next_jax
+
     from .generate import right_padded
 
     layout = layout_of(args)

@@ -14,7 +14,6 @@ from .layers.kda import kda_layer
 from .layers.mlp import dense_mlp, moe
 from .sharding import shard_batch
 
-
 STREAMS = ("batch", "sequence", None, "embed")  # the mHC streams [B, T, hc_mult, D] between layers
 
 

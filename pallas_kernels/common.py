@@ -1,8 +1,11 @@
-"""What every op's dispatch shares: the choice between a Pallas kernel and its pure-jnp reference."""
+"""What every op shares: the choice between a Pallas kernel and its pure-jnp reference, the device
+facts the kernels size themselves by, lowering for an H200 without one, and the references' walk over
+blocks of queries."""
 
 import jax
 import jax.numpy as jnp
 
+HIGHEST = jax.lax.Precision.HIGHEST  # the references' products: fp32 accuracy on every backend
 IMPLEMENTATIONS = (None, "reference", "pallas")
 
 
@@ -27,3 +30,34 @@ def pick_implementation(implementation, unsupported, dtype, *, interpret=False):
     if implementation == "pallas" and unsupported is not None:
         raise ValueError(f"the Pallas kernel does not support this call: {unsupported}")
     return implementation
+
+
+def sm_count():
+    """SMs of the default device (132, the H200's, where JAX does not say: CPU lowering for it)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def lower_for_h200(fn, *args):
+    """`fn` jitted and lowered for an abstract H200 (no GPU needed): the Mosaic GPU kernels go through
+    their whole lowering (TMA shapes, layouts, wgmma operands) and the Triton ones through Triton's
+    block-shape checks, which the interpreter does not do."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def map_query_blocks(fn, xs, fills, block):
+    """fn over blocks of `block` queries (fewer when T is shorter), so that what a query builds against
+    every key or pool (scores, masks) is never whole for the sequence. xs: arrays [B, T, ...], padded
+    on T to whole blocks with `fills` (one per array); fn(blocks of xs) -> a pytree of [B, block, ...].
+    Returns that pytree as [B, T, ...]."""
+    b, t = xs[0].shape[:2]
+    block = min(block, t)
+    pad = -t % block
+
+    def split(x, fill):  # [B, T, ...] -> [T / block, B, block, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(fn, tuple(split(x, fill) for x, fill in zip(xs, fills)))
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(b, -1, *y.shape[3:])[:, :t], out)

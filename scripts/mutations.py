@@ -37,72 +37,73 @@ MUTATIONS = [
         "pallas_kernels/common.py",
         "    return implementation\n",
         '    return "reference"\n',
-        ("tests/test_dispatch.py", "tests/test_model_kernels.py", "tests/test_kda_kernels.py -k decode_step_matches",
-         "tests/test_latent_attention.py -k matches_reference", "tests/test_select_tokens.py -k through_the_kernel",
-         "tests/test_moe_gemm.py -k moe_layer"),
+        ("tests/kernels/test_dispatch.py", "tests/model/test_model_kernels.py",
+         "tests/kernels/test_kda_kernels.py -k decode_step_matches",
+         "tests/kernels/test_latent_attention.py -k matches_reference",
+         "tests/kernels/test_select_tokens.py -k through_the_kernel", "tests/kernels/test_moe_gemm.py -k moe_layer"),
     ),
     Mutation(
         "fallback to the reference where the choice is automatic",
         "pallas_kernels/common.py",
         'return "pallas" if on_gpu and',
         'return "reference" if on_gpu and',
-        ("tests/test_dispatch.py", "tests/test_model_kernels.py", "tests/test_kda_kernels.py -k dispatch"),
+        ("tests/kernels/test_dispatch.py", "tests/model/test_model_kernels.py", "tests/kernels/test_kda_kernels.py -k dispatch"),
     ),
     Mutation(
         "latent attention's softmax scale 1% off",
         "pallas_kernels/latent_attention.py",
         "c = scale * math.log2(math.e)",
         "c = 1.01 * scale * math.log2(math.e)",
-        ("tests/test_latent_attention.py", "tests/test_model_kernels.py"),
+        ("tests/kernels/test_latent_attention.py", "tests/model/test_model_kernels.py"),
     ),
     Mutation(
         "fp8 latents dequantised 1% off in the kernel",
         "pallas_kernels/latent_attention.py",
         "latent = latent.astype(jnp.float32) * scales_ref[row][:, None]",
         "latent = latent.astype(jnp.float32) * (1.01 * scales_ref[row][:, None])",
-        ("tests/test_latent_attention.py", "tests/test_model_kernels.py -k fp8"),
+        ("tests/kernels/test_latent_attention.py", "tests/model/test_model_kernels.py -k fp8"),
     ),
     Mutation(
         "a dropped pool in the top-k kernel",
         "pallas_kernels/select_tokens.py",
         "return chosen[..., :k], valid[..., :k] == 1",
         "return chosen[..., :k], (valid[..., :k] == 1).at[..., k - 1].set(False)",
-        ("tests/test_select_tokens.py", "tests/test_model_kernels.py"),
+        ("tests/kernels/test_select_tokens.py", "tests/model/test_model_kernels.py"),
     ),
     Mutation(
         "a dropped pool in the reference selection",
         "pallas_kernels/select_tokens.py",
         "tokens = jnp.where(chosen_valid[..., None], tokens, -1)",
         "tokens = jnp.where(chosen_valid[..., None] & (jnp.arange(n_select) < n_select - 1)[:, None], tokens, -1)",
-        ("tests/test_parity_model.py -k fp32", "tests/test_parity_layers.py -k dsa"),
+        ("tests/model/test_parity_model.py -k fp32", "tests/model/test_parity_layers.py -k dsa"),
     ),
     Mutation(
         "the grouped GEMM multiplies a tile by the next expert's weights",
         "pallas_kernels/moe_gemm.py",
         "w_ref.at[tile_experts_ref[tile]]",
         "w_ref.at[jnp.minimum(tile_experts_ref[tile] + 1, w_ref.shape[0] - 1)]",
-        ("tests/test_moe_gemm.py", "tests/test_model_kernels.py"),
+        ("tests/kernels/test_moe_gemm.py", "tests/model/test_model_kernels.py"),
     ),
     Mutation(
         "the experts' rows combined in the routing's order, not the experts'",
         "glm5next_jax/layers/mlp.py",
         "by_expert = jnp.argsort(experts, axis=-1)",
         "by_expert = jnp.broadcast_to(jnp.arange(experts.shape[-1]), experts.shape)",
-        ("tests/test_moe_gemm.py -k combine",),
+        ("tests/kernels/test_moe_gemm.py -k combine",),
     ),
     Mutation(
         "the MoE ignores the layout (every device runs every expert)",
         "glm5next_jax/layers/mlp.py",
         "    if layout is None:\n        weights, experts = route(p, tokens, config)",
         "    if True:\n        weights, experts = route(p, tokens, config)",
-        ("tests/test_sharding.py -k gathers_no_expert_weights",),
+        ("tests/model/test_sharding.py -k gathers_no_expert_weights",),
     ),
     Mutation(
         "the KDA decode step called outside shard_map",
         "glm5next_jax/layers/kda.py",
         "    o, conv_state, state = shard_mapped(layout, step, in_axes,",
         "    o, conv_state, state = shard_mapped(None, step, in_axes,",
-        ("tests/test_sharding.py -k inside_a_shard_map",),
+        ("tests/model/test_sharding.py -k inside_a_shard_map",),
     ),
     Mutation(
         "bf16 logits 5% off",
@@ -110,7 +111,7 @@ MUTATIONS = [
         '    x = rms_norm(streams.mean(axis=-2), params["norm"], config.rms_norm_eps)\n',
         '    x = rms_norm(streams.mean(axis=-2), params["norm"], config.rms_norm_eps)\n'
         "    x = x * 1.05 if x.dtype == jnp.bfloat16 else x\n",
-        ("tests/test_parity_model.py -k bf16", "tests/test_model_kernels.py -k forward"),
+        ("tests/model/test_parity_model.py -k bf16", "tests/model/test_model_kernels.py -k forward"),
     ),
     Mutation(
         "bf16 KDA output 5% off",
@@ -118,7 +119,7 @@ MUTATIONS = [
         "    return (normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)",
         "    y = normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))\n"
         "    return (y * (1.05 if o.dtype == jnp.bfloat16 else 1.0)).astype(o.dtype)",
-        ("tests/test_parity_model.py -k bf16", "tests/test_model_kernels.py -k forward"),
+        ("tests/model/test_parity_model.py -k bf16", "tests/model/test_model_kernels.py -k forward"),
     ),
 ]
 
@@ -156,7 +157,8 @@ def check(mutation):
         with open(target, "w") as f:
             f.write(text.replace(mutation.old, mutation.new))
         # The copy's packages, not the editable install's, must be the ones imported.
-        where = subprocess.run([sys.executable, "-c", "import glm5next_jax, pallas_kernels; print(glm5next_jax.__file__, pallas_kernels.__file__)"],
+        probe = "import glm5next_jax, pallas_kernels; print(glm5next_jax.__file__, pallas_kernels.__file__)"
+        where = subprocess.run([sys.executable, "-c", probe],
                                cwd=tree, check=True, capture_output=True, text=True).stdout
         assert where.count(tree) == 2, f"the tests would import the library from elsewhere: {where}"
         return {spec: run_tests(tree, spec) for spec in mutation.tests}

@@ -92,7 +92,7 @@ def manifest(goldens):
         return json.load(f)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_model(path, dtype):
     import glm5next_jax
 

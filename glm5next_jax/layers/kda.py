@@ -52,13 +52,13 @@ def kda_output(p, h, o, config):
 
 def scan_implementation(config, implementation):
     """The chunked scan's implementation: the Pallas scan factors decays through reference tokens
-    and is exact only for gates >= kda_intra.MIN_GATE, which the lower bound guarantees."""
-    bounded = config.linear_lower_bound is not None and config.linear_lower_bound >= kda_core.kda_intra.MIN_GATE
+    and is exact only for gates >= MIN_GATE, which the lower bound guarantees."""
+    bounded = config.linear_lower_bound is not None and config.linear_lower_bound >= kda_core.MIN_GATE
     if bounded:
         return implementation
     if implementation == "pallas":
         raise ValueError(
-            f"the Pallas KDA scan needs gates bounded below by {kda_core.kda_intra.MIN_GATE}; this config's "
+            f"the Pallas KDA scan needs gates bounded below by {kda_core.MIN_GATE}; this config's "
             f"linear_lower_bound is {config.linear_lower_bound}: use implementation='reference'"
         )
     return "reference"

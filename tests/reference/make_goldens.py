@@ -287,7 +287,12 @@ def state_of(module, prefix):
 
 
 def save_layer(out, name, text_config, **arrays):
-    arrays = {k: (v.numpy() if torch.is_tensor(v) and v.dtype == torch.bool else v.detach().float().numpy() if torch.is_tensor(v) else v) for k, v in arrays.items()}
+    def as_numpy(v):
+        if not torch.is_tensor(v):
+            return v
+        return v.numpy() if v.dtype == torch.bool else v.detach().float().numpy()
+
+    arrays = {k: as_numpy(v) for k, v in arrays.items()}
     np.savez(os.path.join(out, "layers", name + ".npz"), config=json.dumps(text_config.to_dict()), **arrays)
     return name
 
@@ -334,7 +339,8 @@ def layer_cases(out):
     layers.append(moe_case(out, "moe_groups", build(VARIANTS["groups"], seed=51), randn))
     streams = randn(b, t, tc.hc_mult, d)
     post, comb, collapsed = lm.layers[0].attn_hc(streams)
-    layers.append(save_layer(out, "hc", tc, streams=streams, post=post, comb=comb, collapsed=collapsed, **state_of(lm.layers[0].attn_hc, "attn_hc.")))
+    hc_state = state_of(lm.layers[0].attn_hc, "attn_hc.")
+    layers.append(save_layer(out, "hc", tc, streams=streams, post=post, comb=comb, collapsed=collapsed, **hc_state))
 
     kda = lm.layers[0].self_attn
     h = randn(b, t, d)

@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from glm5next_jax.config import Config
 from glm5next_jax.layers import mlp
 from pallas_kernels import moe_gemm
-from pallas_kernels.kda_chain import lower_for_h200
+from pallas_kernels.common import lower_for_h200
 
 # bf16 outputs: one ulp of the largest is 2^-8 of it; the kernel and the reference round the same
 # fp32 sums, so they differ by accumulation order only.

@@ -1,4 +1,4 @@
-"""The KDA decode step's state update in Pallas Mosaic GPU, after `kda_triton.token_vectors`.
+"""The KDA decode step's state update in Pallas Mosaic GPU, after `decode_fused_triton.token_vectors`.
 
 The step is a stream over the state. Loaded through L1, as a Triton kernel loads it, the slabs
 stall under XLA's launch, which leaves 28 KiB of L1 per SM (85-88% of the state-bytes roofline at
@@ -8,7 +8,7 @@ WGMMA register layout's loads would conflict on the banks), updates it in regist
 back in place by TMA: 89-93% on the H200 (bench/kda_decode_mosaic.py, sixteenth session; in the
 step, seventeenth).
 
-The token side (conv, SiLU, norms, gate, beta) runs before, in `kda_triton.token_vectors`: fused in
+The token side (conv, SiLU, norms, gate, beta) runs before, in `decode_fused_triton.token_vectors`: fused in
 here, one channel per thread, the step ran at 53-63% of the roofline whether each slab's CTA or one
 CTA per head computed it (bench/RESULTS.md, eighteenth session). Apart, it takes 0.015 / 0.050 ms
 at batch 64 / 256 (H = 64, D = 128), the step 82-84% of the roofline in all (nineteenth session).
@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import kda_triton
+from pallas_kernels.kda import decode_fused_triton
 
 BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md, sixteenth session)
 HEAD_DIMS = (64, 128)  # dk: the WGMMA layout's 64-row tiles
@@ -78,7 +78,7 @@ def _update_kernel(vectors_ref, s_ref, o_ref, s_smem, rows_smem, v_smem, o_smem,
 
 
 def update_state(vectors, state, *, out_dtype, block_v=BLOCK_V, interpret=False):
-    """vectors [B, H, 4, d] fp32 from `kda_triton.token_vectors` (q, sqrt(beta) k, decay,
+    """vectors [B, H, 4, d] fp32 from `decode_fused_triton.token_vectors` (q, sqrt(beta) k, decay,
     sqrt(beta) v), state [B, H, d, d] fp32 (d in HEAD_DIMS, a multiple of block_v in {32, 64}):
     (o [B, H, d] in out_dtype, the new state). The state is updated in place (donate it under jit,
     or XLA copies it first). One CTA per slab, the value block varying fastest in launch order, then
@@ -113,13 +113,13 @@ def update_state(vectors, state, *, out_dtype, block_v=BLOCK_V, interpret=False)
     return o, jax.freeze(state)
 
 
-def decode_step(
+def two_kernel_decode_step(
     qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=BLOCK_V,
     token_warps=4, interpret=False,
 ):
-    """The one-token KDA step in two kernels: `kda_triton.token_vectors`, then `update_state`. Shapes
+    """The one-token KDA step in two kernels: `decode_fused_triton.token_vectors`, then `update_state`. Shapes
     and results as `kda.kda_decode_step` (checked there)."""
-    vectors, conv_state = kda_triton.token_vectors(
+    vectors, conv_state = decode_fused_triton.token_vectors(
         qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, lower_bound=lower_bound, num_warps=token_warps,
         interpret=interpret,
     )

@@ -6,41 +6,18 @@ padding rows' outputs carry no meaning; `expert_tiles` says where each real row 
 `block_rows = 1` the layout is the packed one (no padding): what the reference runs on where no
 kernel is used.
 
-The kernel runs one CTA per SM, each walking its share of the (tile, column block) items, column
-blocks fastest (the SMs at work at one time share a few tiles' rows and their experts' weight
-columns in L2, so HBM sees each weight about once), and skipping tiles past the used ones. Per item,
-two compute warpgroups split the columns and a third feeds them by TMA, pipelined over K
-(`emit_pipeline_warp_specialized`). On the H200 this simple form was 2-6% faster than one pipeline
-per SM across all its items over 64-row tiles in pairs (bench/RESULTS.md, twenty-third session).
-
 Dispatch (`implementation`, `interpret`): as `pallas_kernels.common.pick_implementation` says, the
 kernel for bf16 operands on a GPU (or in Pallas' interpreter with `interpret=True`), else the reference.
 """
 
-import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import pick_implementation
-from pallas_kernels.kda_chain import sm_count
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """The kernel's tiling: `block_rows` rows per tile (64 or 128: one or two wgmma row blocks),
-    `block_cols` columns per CTA (split between the two compute warpgroups), `block_k` the pipelined
-    slice of K, `stages` slices in flight."""
-
-    block_rows: int = 128
-    block_cols: int = 256
-    block_k: int = 64
-    stages: int = 3
+from pallas_kernels.common import pick_implementation, sm_count
+from pallas_kernels.moe_gemm.grouped_matmul_mosaic import GemmConfig, grouped_matmul_kernel
+from pallas_kernels.moe_gemm.reference import grouped_matmul_reference
 
 
 class ExpertTiles(NamedTuple):
@@ -78,16 +55,6 @@ def expert_tiles(group_sizes, rows: int, block_rows: int) -> ExpertTiles:
     tiles = jnp.arange(n_tiles, dtype=jnp.int32)
     tile_experts = jnp.searchsorted(tile_ends, tiles, side="right", method="compare_all")
     return ExpertTiles(slots, jnp.minimum(tile_experts, experts - 1).astype(jnp.int32), tile_ends[-1])
-
-
-def grouped_matmul_reference(x, weights, tile_experts, used_tiles):
-    """x [T * block_rows, K] in the tiled layout, weights [G, K, N], tile_experts [T], used_tiles [] ->
-    [T * block_rows, N] in x.dtype (fp32 accumulation); rows of unused tiles are zero."""
-    block_rows = x.shape[0] // tile_experts.shape[0]
-    used = (jnp.arange(tile_experts.shape[0]) < used_tiles).astype(jnp.int32)
-    group_sizes = jnp.bincount(tile_experts, weights=used, length=weights.shape[0]).astype(jnp.int32) * block_rows
-    out = lax.ragged_dot(x, weights, group_sizes, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
 
 
 def _check(x, weights, tile_experts, used_tiles):
@@ -132,94 +99,6 @@ def plan(implementation, x, weights, *, rows: int, interpret=False):
     return "reference", GemmConfig(block_rows=1)
 
 
-def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: GemmConfig, n_tiles: int):
-    bm, bn, bk = config.block_rows, config.block_cols, config.block_k
-    k, n = w_ref.shape[1:]
-    col_blocks = n // bn
-    wg_cols = bn // 2
-    swizzle = plgpu.find_swizzle(bk * 16)
-    operand = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-    out_swizzle = plgpu.find_swizzle(wg_cols * 16)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
-
-    def pipeline(body, context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k // bk,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=operand, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=operand, memory_space=plgpu.SMEM),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=config.stages,
-            compute_context=context,
-        )
-
-    ignore = lambda *_, **__: None
-
-    @functools.partial(
-        pl.run_scoped,
-        allocations=pipeline(ignore, ignore).get_allocations(x_ref, w_ref.at[0]),
-        out_smem=plgpu.SMEM((2, bm, wg_cols), o_ref.dtype, transforms=out_transforms),
-        collective_axes="wg",
-    )
-    def scope(allocations, out_smem):
-        wg = lax.axis_index("wg")
-        used_tiles = used_ref[0]
-
-        @plgpu.nd_loop((n_tiles * col_blocks,), collective_axes="sm")
-        def tile_loop(info):
-            (index,) = info.index
-            tile, col_block = index // col_blocks, index % col_blocks
-
-            @pl.when(tile < used_tiles)
-            def _():
-                rows = pl.ds(tile * bm, bm)
-                cols = pl.ds(col_block * bn, bn)
-
-                def context(run_pipeline):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, wg_cols), jnp.float32))
-                    def _(acc):
-                        run_pipeline(acc)
-                        # The previous tile's store from this buffer must be done reading it.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = acc[...].astype(out_smem.dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg], o_ref.at[rows, pl.ds(col_block * bn + wg * wg_cols, wg_cols)]
-                        )
-
-                def multiply(_, x_smem, w_smem, acc):
-                    plgpu.wgmma(acc, x_smem, w_smem.at[:, pl.ds(wg * wg_cols, wg_cols)])
-                    plgpu.wgmma_wait(0)
-                    return acc
-
-                pipeline(multiply, context)(
-                    x_ref.at[rows, :], w_ref.at[tile_experts_ref[tile]].at[:, cols], allocations=allocations
-                )
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _grouped_matmul_kernel(x, weights, tile_experts, used_tiles, *, config: GemmConfig, interpret: bool, sms: int):
-    n_tiles = tile_experts.shape[0]
-    kernel = plgpu.kernel(
-        functools.partial(_gemm_kernel, config=config, n_tiles=n_tiles),
-        out_type=jax.ShapeDtypeStruct((x.shape[0], weights.shape[2]), x.dtype),
-        grid=(sms,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
-        if interpret else None,
-        kernel_name="moe_grouped_matmul",
-    )
-    return kernel(tile_experts, jnp.reshape(used_tiles, (1,)).astype(jnp.int32), x, weights)
-
-
 def grouped_matmul(
     x, weights, tile_experts, used_tiles, *, implementation=None, config: GemmConfig = GemmConfig(), interpret=False
 ):
@@ -240,6 +119,6 @@ def grouped_matmul(
         )
     # One CTA per SM; two in the interpreter, so that its CPU threads still share the tiles out.
     sms = 2 if interpret else sm_count()
-    return _grouped_matmul_kernel(
+    return grouped_matmul_kernel(
         x, weights, tile_experts.astype(jnp.int32), used_tiles, config=config, interpret=interpret, sms=sms
     )

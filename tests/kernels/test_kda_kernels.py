@@ -4,7 +4,7 @@ and the dispatch's argument checks.
 Inputs are bf16 values; the chunked scan is compared in fp32 (inputs upcast) so that the error is
 the kernel's, not the rounding of a bf16 output (one bf16 ulp at the largest output is up to 7.8e-3
 of it); one test runs the real bf16 path. The interpreter computes the same bf16 products as the
-GPU (fp32 operands as bf16 hi + lo halves); tests/test_kda_lowering.py lowers the kernels for the
+GPU (fp32 operands as bf16 hi + lo halves); tests/kernels/test_kda_lowering.py lowers the kernels for the
 GPU, and bench/kda_intra_check.py compares the compiled kernels with the interpreter on the H200
 (bench/RESULTS.md).
 """
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from conftest import relative_error, traced_kernels
 
-from pallas_kernels import kda, kda_chain, kda_decode, kda_intra, kda_triton
+from pallas_kernels import kda
+from pallas_kernels.kda import decode_fused_triton, decode_update_mosaic, prefill_chain_mosaic, prefill_intra_mosaic
 
 TOLERANCE = 2e-3
 
@@ -110,7 +111,7 @@ def test_intra_decay_against_a_float64_cumsum(t, lengths, h, d):
     q, k, v, g, beta = scan_inputs(t + h, b, t, h, d)
     lengths = np.array(lengths)
     args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, jnp.swapaxes(beta, 1, 2))
-    decay = kda_intra.intra(*args, jnp.asarray(lengths, jnp.int32), qw_lo=False, interpret=True)[-1]
+    decay = prefill_intra_mosaic.intra(*args, jnp.asarray(lengths, jnp.int32), qw_lo=False, interpret=True)[-1]
     padded = -(-t // 64) * 64
     x = np.where((np.arange(t) < lengths[:, None])[:, :, None, None], np.asarray(g, np.float64), 0.0)
     x = np.pad(x, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, padded // 64, 64, h, d)
@@ -130,15 +131,15 @@ def test_chain_with_fewer_output_products(o_products):
     s0 = jax.random.normal(jax.random.key(13), (b, h, d, d))
     lengths = jnp.full((b,), t, jnp.int32)
     args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, lengths)
-    o, s = kda_chain.chunk_scan(*args, out_dtype=jnp.float32, o_products=o_products, interpret=True)
-    o3, s3 = kda_chain.chunk_scan(*args, out_dtype=jnp.float32, interpret=True)
+    o, s = prefill_chain_mosaic.chunk_scan(*args, out_dtype=jnp.float32, o_products=o_products, interpret=True)
+    o3, s3 = prefill_chain_mosaic.chunk_scan(*args, out_dtype=jnp.float32, interpret=True)
     np.testing.assert_array_equal(s, s3)
     o_ref, _ = kda.kda_chunk_scan_reference(q, k, v, g, beta, s0, lengths=lengths)
     error, error3 = (relative_error(np.asarray(x[:, :t]), np.asarray(o_ref)) for x in (o, o3))
     assert error3 < 5e-4 and error < 4e-3, (error, error3)
     assert error > error3  # the products did change
     if o_products == 2:  # a bf16 o takes two products by default
-        o_bf16, _ = kda_chain.chunk_scan(*args, out_dtype=jnp.bfloat16, interpret=True)
+        o_bf16, _ = prefill_chain_mosaic.chunk_scan(*args, out_dtype=jnp.bfloat16, interpret=True)
         np.testing.assert_array_equal(np.asarray(o_bf16, np.float32), np.asarray(o.astype(jnp.bfloat16), np.float32))
 
 
@@ -148,13 +149,13 @@ def test_intra_without_q_w_lo_half_writes_the_rest_unchanged():
     b, t, h, d = 1, 70, 2, 64
     q, k, v, g, beta = scan_inputs(15, b, t, h, d)
     args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, jnp.swapaxes(beta, 1, 2), jnp.full((b,), t, jnp.int32))
-    full = kda_intra.intra(*args, interpret=True)
-    lean = kda_intra.intra(*args, qw_lo=False, interpret=True)
+    full = prefill_intra_mosaic.intra(*args, interpret=True)
+    lean = prefill_intra_mosaic.intra(*args, qw_lo=False, interpret=True)
     assert lean[4] is None and full[4] is not None and np.abs(np.asarray(full[4], np.float32)).max() > 0
     for x, y in zip(full[:4] + full[5:], lean[:4] + lean[5:]):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     with pytest.raises(ValueError, match="qw_lo must be an array"):
-        kda_chain.chain(*lean, jnp.zeros((b, h, d, d)), out_dtype=jnp.float32)
+        prefill_chain_mosaic.chain(*lean, jnp.zeros((b, h, d, d)), out_dtype=jnp.float32)
 
 
 # Clusters of 2, 4 and 8 value blocks, each with u and A_qk u in one and two slots. The default run
@@ -162,7 +163,8 @@ def test_intra_without_q_w_lo_half_writes_the_rest_unchanged():
 @pytest.mark.parametrize(
     "value_slots, d, block_v",
     [(2, 64, 32)]
-    + [pytest.param(*case, marks=pytest.mark.slow) for case in [(1, 64, 32), (1, 128, 32), (2, 128, 32), (1, 128, 16), (2, 128, 16)]],
+    + [pytest.param(*case, marks=pytest.mark.slow)
+       for case in [(1, 64, 32), (1, 128, 32), (2, 128, 32), (1, 128, 16), (2, 128, 16)]],
 )
 def test_chain_multicast_matches_separate_fetches(value_slots, d, block_v):
     """The chain with a head's value blocks in one cluster (tiles shared by TMA multicast, slots freed
@@ -172,7 +174,7 @@ def test_chain_multicast_matches_separate_fetches(value_slots, d, block_v):
     s0 = jax.random.normal(jax.random.key(14), (b, h, d, d))
     args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, jnp.full((b,), t, jnp.int32))
     run = functools.partial(
-        kda_chain.chunk_scan, *args, out_dtype=jnp.bfloat16, block_v=block_v, value_slots=value_slots, interpret=True
+        prefill_chain_mosaic.chunk_scan, *args, out_dtype=jnp.bfloat16, block_v=block_v, value_slots=value_slots, interpret=True
     )
     o_mc, s_mc = run(multicast=True)
     o, s = run(multicast=False)
@@ -183,7 +185,7 @@ def test_chain_multicast_matches_separate_fetches(value_slots, d, block_v):
 def test_chain_multicast_refuses_a_single_value_block():
     parts = [jnp.zeros((1, 1, 64, 64), jnp.bfloat16)] * 9 + [jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64))]
     with pytest.raises(ValueError, match="multicast needs 2 to 8 value blocks"):
-        kda_chain.chain(*parts, out_dtype=jnp.bfloat16, block_v=64, multicast=True)
+        prefill_chain_mosaic.chain(*parts, out_dtype=jnp.bfloat16, block_v=64, multicast=True)
 
 
 # 64 columns in one slot: the default over several waves; 32 in one slot with multicast: an option.
@@ -197,7 +199,7 @@ def test_chain_with_one_value_slot_matches_two_slots(block_v, multicast):
     s0 = jax.random.normal(jax.random.key(13), (b, h, d, d))
     lengths = jnp.array([t, t - 61], jnp.int32)
     args = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0, lengths)
-    run = functools.partial(kda_chain.chunk_scan, *args, out_dtype=jnp.bfloat16, multicast=multicast, interpret=True)
+    run = functools.partial(prefill_chain_mosaic.chunk_scan, *args, out_dtype=jnp.bfloat16, multicast=multicast, interpret=True)
     o1, s1 = run(block_v=block_v, value_slots=1)
     o2, s2 = run(block_v=32, value_slots=2)
     valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
@@ -227,7 +229,7 @@ def test_chain_with_one_value_slot_matches_two_slots(block_v, multicast):
     ],
 )
 def test_chain_default_options_by_shape(b, h, d, out_dtype, chosen, want):
-    assert kda_chain.default_options(b, h, d, out_dtype, sms=132, **chosen) == want
+    assert prefill_chain_mosaic.default_options(b, h, d, out_dtype, sms=132, **chosen) == want
 
 
 @pytest.mark.parametrize(
@@ -242,12 +244,12 @@ def test_chunk_scan_refuses_bad_chain_options_before_the_intra_kernel(monkeypatc
     def intra_launched(*args, **kwargs):
         raise AssertionError("the intra kernel ran before the chain's options were checked")
 
-    monkeypatch.setattr(kda_intra, "intra", intra_launched)
+    monkeypatch.setattr(prefill_intra_mosaic, "intra", intra_launched)
     b, t, h, d = 1, 64, 1, 64
     args = (*(jnp.zeros((b, t, h, d), jnp.bfloat16) for _ in range(3)), jnp.zeros((b, t, h, d)), jnp.zeros((b, t, h)))
     kwargs = dict(out_dtype=jnp.bfloat16, interpret=True) | option
     with pytest.raises(ValueError, match=match):
-        kda_chain.chunk_scan(*args, jnp.zeros((b, h, d, d)), jnp.full((b,), t, jnp.int32), **kwargs)
+        prefill_chain_mosaic.chunk_scan(*args, jnp.zeros((b, h, d, d)), jnp.full((b,), t, jnp.int32), **kwargs)
 
 
 def test_lengths_in_the_reference_stop_each_sequence_at_its_own_end():
@@ -287,10 +289,10 @@ def test_decode_step_matches_reference(lower_bound, b, h, d):
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("b, h, d", [(2, 2, 64), (1, 1, 128)])
 def test_two_kernel_decode_step_matches_reference(lower_bound, b, h, d):
-    """`kda_decode.decode_step` (what `kda_decode_step` runs for states of MIN_STATE_BYTES and more,
+    """`decode_update_mosaic.two_kernel_decode_step` (what `kda_decode_step` runs for states of MIN_STATE_BYTES and more,
     too large for the interpreter) at small shapes."""
     x = kda.random_decode_inputs(jax.random.key(d + b + 1), b, h, d)
-    got = kda_decode.decode_step(**x, lower_bound=lower_bound, interpret=True)
+    got = decode_update_mosaic.two_kernel_decode_step(**x, lower_bound=lower_bound, interpret=True)
     want = kda.kda_decode_step_reference(**x, lower_bound=lower_bound)
     for name, a, r in zip(["o", "conv_state", "state"], got, want):
         assert a.shape == r.shape and a.dtype == r.dtype, name
@@ -302,7 +304,7 @@ def test_fused_triton_decode_step_at_the_mosaic_head_dims(b, h, d, block_v):
     """The fused Triton step at the head dims that large states send to the two kernels, value
     blocks narrower than the head."""
     x = kda.random_decode_inputs(jax.random.key(d + block_v), b, h, d)
-    got = kda_triton.decode_step(**x, lower_bound=-5.0, block_v=block_v, interpret=True)
+    got = decode_fused_triton.fused_decode_step(**x, lower_bound=-5.0, block_v=block_v, interpret=True)
     want = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
     for name, a, r in zip(["o", "conv_state", "state"], got, want):
         assert relative_error(a, r) < TOLERANCE, name
@@ -324,9 +326,9 @@ def test_the_two_kernel_references_compose_to_the_step_reference(lower_bound, b,
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("b, h, d", [(2, 3, 32), (1, 1, 128)])
 def test_decode_token_vectors_match_the_reference(lower_bound, b, h, d):
-    """`kda_triton.token_vectors`: conv, norms, gate and beta against their reference."""
+    """`decode_fused_triton.token_vectors`: conv, norms, gate and beta against their reference."""
     x = kda.random_decode_inputs(jax.random.key(d + h), b, h, d)
-    got = kda_triton.token_vectors(*kda.decode_token_inputs(x), lower_bound=lower_bound, interpret=True)
+    got = decode_fused_triton.token_vectors(*kda.decode_token_inputs(x), lower_bound=lower_bound, interpret=True)
     want = kda.decode_token_vectors_reference(*kda.decode_token_inputs(x), lower_bound=lower_bound)
     np.testing.assert_array_equal(got[1], want[1])
     assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
@@ -336,12 +338,12 @@ def test_decode_token_vectors_match_the_reference(lower_bound, b, h, d):
 
 @pytest.mark.parametrize("b, h, d, block_v", [(2, 3, 64, 32), (1, 1, 128, 64), (3, 1, 128, 32)])
 def test_decode_update_matches_the_reference(b, h, d, block_v):
-    """`kda_decode.update_state` (the Mosaic GPU kernel) against its reference, the state updated in
+    """`decode_update_mosaic.update_state` (the Mosaic GPU kernel) against its reference, the state updated in
     place under jit with donation."""
     x = kda.random_decode_inputs(jax.random.key(b * h + d), b, h, d)
     vectors, _ = kda.decode_token_vectors_reference(*kda.decode_token_inputs(x), lower_bound=-5.0)
     update = jax.jit(
-        functools.partial(kda_decode.update_state, out_dtype=jnp.float32, block_v=block_v, interpret=True),
+        functools.partial(decode_update_mosaic.update_state, out_dtype=jnp.float32, block_v=block_v, interpret=True),
         donate_argnums=1,
     )
     o, state = update(vectors, x["state"] + 0)
@@ -353,16 +355,16 @@ def test_decode_update_matches_the_reference(b, h, d, block_v):
 def test_decode_update_refuses_unsupported_shapes():
     vectors = jnp.zeros((1, 1, 4, 64))
     with pytest.raises(ValueError, match="got dk = 32, dv = 32"):
-        kda_decode.update_state(jnp.zeros((1, 1, 4, 32)), jnp.zeros((1, 1, 32, 32)), out_dtype=jnp.bfloat16)
+        decode_update_mosaic.update_state(jnp.zeros((1, 1, 4, 32)), jnp.zeros((1, 1, 32, 32)), out_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="got dk = 64, dv = 128"):
-        kda_decode.update_state(vectors, jnp.zeros((1, 1, 64, 128)), out_dtype=jnp.bfloat16)
+        decode_update_mosaic.update_state(vectors, jnp.zeros((1, 1, 64, 128)), out_dtype=jnp.bfloat16)
     state = jnp.zeros((1, 1, 64, 64))
     with pytest.raises(ValueError, match="block_v = 16"):
-        kda_decode.update_state(vectors, state, out_dtype=jnp.bfloat16, block_v=16)
+        decode_update_mosaic.update_state(vectors, state, out_dtype=jnp.bfloat16, block_v=16)
     with pytest.raises(ValueError, match=r"vectors must be float32 \[1, 1, 4, 64\], got float32 \[1, 1, 3, 64\]"):
-        kda_decode.update_state(jnp.zeros((1, 1, 3, 64)), state, out_dtype=jnp.bfloat16)
+        decode_update_mosaic.update_state(jnp.zeros((1, 1, 3, 64)), state, out_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="vectors must be float32"):
-        kda_decode.update_state(vectors.astype(jnp.bfloat16), state, out_dtype=jnp.bfloat16)
+        decode_update_mosaic.update_state(vectors.astype(jnp.bfloat16), state, out_dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize(

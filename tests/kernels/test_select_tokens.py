@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import traced_kernels
 
 from pallas_kernels import select_tokens as st
-from pallas_kernels.select_tokens import pool_scores, select_tokens, visible_key_counts
+from pallas_kernels.select_tokens import candidate_scores_triton, pool_scores, select_tokens, top_pools_triton, visible_key_counts
 
 
 def inputs(key, b, t, pool, nh=4, hd=8, mask=None):
@@ -69,7 +68,7 @@ def test_bad_shapes_are_rejected():
 
 def test_query_blocks_do_not_change_the_selection(monkeypatch):
     """Scored and ranked 8 queries at a time (a ragged last block) or all at once: the same indices."""
-    from pallas_kernels import select_tokens as module
+    from pallas_kernels.select_tokens import reference as module
 
     mask = jnp.ones((2, 45), bool).at[0, :6].set(False).at[1, 40:].set(False)
     q, w, keys, mask, pos = inputs(jax.random.key(3), 2, 45, 4, mask=mask)
@@ -153,7 +152,7 @@ def test_candidate_scores_kernel_matches_the_reference(name):
     pool_valid = st.pool_validity(mask, n_pools, pool)
     visible = st.visible_pools(st.first_valid_key(mask), positions, pool, n_pools)
     want = np.asarray(st.candidate_scores_reference(q, w, keys, pool_valid, visible))
-    got = np.asarray(st.candidate_scores_kernel(q, w, keys, pool_valid, visible, interpret=True))
+    got = np.asarray(candidate_scores_triton.candidate_scores_kernel(q, w, keys, pool_valid, visible, interpret=True))
     assert np.isfinite(want).any() and np.isinf(want).any()
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     finite = np.isfinite(want)
@@ -189,7 +188,7 @@ def test_top_pools_kernel_keeps_the_references_set(n, k):
     scores[0, 2, rng.permutation(n)[:k]] = rng.uniform(1, 2, k)
     scores = jnp.asarray(scores, jnp.float32)
     want_index, want_valid = st.top_pools_reference(scores, k)
-    index, valid = st.top_pools_kernel(scores, k, interpret=True)
+    index, valid = top_pools_triton.top_pools_kernel(scores, k, interpret=True)
     order = np.argsort(want_index, axis=-1)
     np.testing.assert_array_equal(index, np.take_along_axis(np.asarray(want_index), order, axis=-1))
     np.testing.assert_array_equal(valid, np.take_along_axis(np.asarray(want_valid), order, axis=-1))
@@ -210,7 +209,7 @@ def test_kernel_lowers_for_the_gpu_at_the_model_shapes():
     """Through Triton's lowering for an H200 (the interpreter does not check it): the wider config's
     indexer (32 heads of 128, pools of 4) in a decode step and prefills of 4096 and 131072 tokens
     (the top-k kernel's widest rows, 32768 pools)."""
-    from pallas_kernels.kda_chain import lower_for_h200
+    from pallas_kernels.common import lower_for_h200
 
     sds = jax.ShapeDtypeStruct
     for b, t, s in [(8, 1, 4160), (1, 4096, 4096), (1, 131072, 131072)]:

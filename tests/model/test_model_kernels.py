@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
-    KERNELS, assert_generation_matches, bf16_report, golden_case, load_model, record, relative_error, traced_kernels,
+    KERNELS,
+    assert_generation_matches,
+    bf16_report,
+    golden_case,
+    load_model,
+    record,
+    relative_error,
+    traced_kernels,
 )
 
 import glm5next_jax

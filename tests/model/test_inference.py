@@ -130,7 +130,8 @@ def test_bf16_latent_cache_within_rounding(goldens, model):
     for i in range(8):
         step, cache = glm5next_jax.decode_step(params, config, ids[:, -8 + i], cache)
         steps.append(step[:, None])
-    error = record("bf16 latent cache (fp32 params) vs uncached forward", relative_error(jnp.concatenate(steps, 1), data["logits"]))
+    error = relative_error(jnp.concatenate(steps, 1), data["logits"])
+    error = record("bf16 latent cache (fp32 params) vs uncached forward", error)
     assert error < 2e-3
 
 
@@ -192,7 +193,7 @@ def test_greedy_generation_matches_transformers_cached_generation(goldens, model
 
 def test_bf16_greedy_generation_matches_transformers_bf16(goldens):
     """transformers' own bf16 greedy generation (the kernels checkpoint; the references here,
-    tests/test_model_kernels.py runs it through the kernels)."""
+    tests/model/test_model_kernels.py runs it through the kernels)."""
     config, params = load_model(KERNELS, "bfloat16")
     data = golden_case(goldens, "generate_bf16")
     prompts = [row[m.astype(bool)].tolist() for row, m in zip(data["ids"], data["mask"])]

@@ -68,7 +68,7 @@ BF16_LIMITS = {"shipped": 0.16, "kernels": 0.025}
 )
 def test_bf16_logits_against_transformers_bf16(goldens, case):
     """bf16 params and activations (the references) against the fp32 reference, beside transformers'
-    own bf16 run (`conftest.Bf16Report`); tests/test_model_kernels.py does the same through the kernels."""
+    own bf16 run (`conftest.Bf16Report`); tests/model/test_model_kernels.py does the same through the kernels."""
     logits, data = run_case(goldens, case, dtype="bfloat16")
     report = bf16_report(logits, data, data["mask"].astype(bool))
     record(f"bf16 {case}: typical token (ours)", report.ours)

@@ -1,40 +1,16 @@
-"""Kimi Delta Attention (KDA) core: the gated delta rule with a per-channel forget gate.
-
-Per head, with state S [dk, dv] in fp32, for each token t:
-    S <- diag(exp g_t) S
-    S <- S + k_t (beta_t (v_t - S^T k_t))^T
-    o_t = S^T q_t
-q and k are L2-normalised here (x / sqrt(sum x^2 + 1e-6), in fp32) and q is scaled by dk^-0.5,
-as transformers' `use_qk_l2norm_in_kernel=True` does.
-
-`kda_chunk_scan` is the chunked (WY) form used for prefill; `kda_recurrent` the token-by-token form;
-`kda_decode_step` one token per sequence with everything around the core fused in (the short conv
-and its state, SiLU, L2 norm, forget gate, beta). The `*_reference` functions are pure jnp and are
-the oracles of the Pallas kernels in `kda_intra`, `kda_chain`, `kda_triton` and `kda_decode`.
-
-A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
-sequence, each in [0, T]; checked where the values are known, outside jit): a padded position
-neither decays nor writes the state (g = 0, beta = 0 there), so the final state is each sequence's
-state after its own last token; outputs at padded positions are meaningless.
-
-Dispatch (`implementation`, `interpret`): as `pallas_kernels.common.pick_implementation` says, the
-kernels for bf16 inputs of supported shapes on a GPU (or in Pallas' interpreter with `interpret=True`),
-else the reference.
-The Pallas scan factors decays through reference tokens 16 tokens apart and is exact for gates
-g >= kda_intra.MIN_GATE (-5 per token, which the model's lower bound guarantees); for unbounded
-gates ask for "reference".
-"""
+"""The pure-jnp references of the KDA core, the oracles of the kernels beside them: the token-by-token
+recurrence, the chunked (WY) scan, the decode step (and its two halves as the two-kernel step splits
+it), and the pieces around the core the model and the kernels share (the short conv, the forget gate,
+the L2 norm)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from pallas_kernels import kda_chain, kda_decode, kda_intra, kda_triton
-from pallas_kernels.common import pick_implementation
+from pallas_kernels.common import HIGHEST
 
-HIGHEST = jax.lax.Precision.HIGHEST
-L2_EPS = kda_intra.L2_EPS  # the model's L2-norm epsilon: one value for the references and the kernels
+L2_EPS = 1e-6  # the model's L2-norm epsilon: one value for the references and the kernels
 
 
 def causal_short_conv(x, weight, conv_state=None):
@@ -76,7 +52,7 @@ def l2_normalise(x):
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, lengths=None):
+def check_scan_inputs(q, k, v, g, beta, initial_state, lengths=None):
     if q.ndim != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, T, H, dk], got {q.shape} and {k.shape}")
     b, t, h, dk = q.shape
@@ -118,7 +94,7 @@ def kda_recurrent_reference(q, k, v, g, beta, initial_state=None, *, lengths=Non
     """Token-by-token KDA. q, k [B, T, H, dk], v [B, T, H, dv], g [B, T, H, dk] (log decay, fp32),
     beta [B, T, H], lengths [B] or None (all T valid).
     Returns (o [B, T, H, dv] in q.dtype, final_state [B, H, dk, dv] fp32)."""
-    _check_inputs(q, k, v, g, beta, initial_state, lengths)
+    check_scan_inputs(q, k, v, g, beta, initial_state, lengths)
     out_dtype = q.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, lengths)
 
@@ -142,7 +118,7 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
     order, carrying the fp32 state. Pairwise decays exp(G_i - G_j) are formed per channel (never
     as exp(G_i) * exp(-G_j), which overflows for gates near the lower bound).
     """
-    _check_inputs(q, k, v, g, beta, initial_state, lengths)
+    check_scan_inputs(q, k, v, g, beta, initial_state, lengths)
     out_dtype = q.dtype
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -207,7 +183,7 @@ def kda_decode_step_reference(qkv, conv_state, conv_weight, f, dt_bias, a_log, b
 
 
 def decode_token_vectors_reference(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, *, lower_bound):
-    """The decode step's token side as the two-kernel step hands it on (`kda_triton.token_vectors`'
+    """The decode step's token side as the two-kernel step hands it on (`decode_fused_triton.token_vectors`'
     oracle): (vectors [B, H, 4, d] fp32: q normalised and scaled by dk^-0.5, sqrt(beta) k with k
     normalised, the decay exp(g), sqrt(beta) v; the new conv state). Arguments as
     `kda_decode_step_reference`, dk = dv = d.
@@ -225,134 +201,9 @@ def decode_token_vectors_reference(qkv, conv_state, conv_weight, f, dt_bias, a_l
 
 def decode_update_reference(vectors, state, *, out_dtype):
     """One delta-rule step on the state from `decode_token_vectors_reference`'s vectors
-    (`kda_decode.update_state`'s oracle): (o [B, H, dv] in out_dtype, the new state fp32)."""
+    (`decode_update_mosaic.update_state`'s oracle): (o [B, H, dv] in out_dtype, the new state fp32)."""
     q, k, decay, v = (vectors[:, :, i] for i in range(4))
     state = state * decay[..., None]
     delta = v - jnp.einsum("bhk,bhkv->bhv", k, state, precision=HIGHEST)
     state = state + k[..., None] * delta[..., None, :]
     return jnp.einsum("bhk,bhkv->bhv", q, state, precision=HIGHEST).astype(out_dtype), state
-
-
-def decode_token_inputs(step_kwargs):
-    """Of `kda_decode_step`'s keyword arguments (a dict, as `random_decode_inputs` makes), those that
-    `decode_token_vectors_reference` and the token kernel take, in their order."""
-    return tuple(step_kwargs[n] for n in ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits"))
-
-
-def random_decode_inputs(key, b, h, d, *, state_scale=1.0):
-    """Random keyword arguments of `kda_decode_step` (B = b, H = h, dk = dv = d, a width-4 conv), bf16
-    activations as the model passes them: for tests and benchmarks."""
-    c = h * d
-    ks = jax.random.split(key, 8)
-    return dict(
-        qkv=jax.random.normal(ks[0], (b, 3, c), jnp.bfloat16),
-        conv_state=jax.random.normal(ks[1], (b, 3, c, 4), jnp.bfloat16),
-        conv_weight=0.5 * jax.random.normal(ks[2], (4, 3, c)),
-        f=jax.random.normal(ks[3], (b, c), jnp.bfloat16),
-        dt_bias=0.1 * jax.random.normal(ks[4], (c,)),
-        a_log=0.3 * jax.random.normal(ks[5], (h,)),
-        beta_logits=jax.random.normal(ks[6], (b, h), jnp.bfloat16),
-        state=state_scale * jax.random.normal(ks[7], (b, h, d, d)),
-    )
-
-
-def _power_of_two(n, low, high):
-    return low <= n <= high and n & (n - 1) == 0
-
-
-def _scan_unsupported(q, v, chunk_size):
-    if chunk_size != kda_intra.CHUNK:
-        return f"chunk_size must be {kda_intra.CHUNK}, got {chunk_size}"
-    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in kda_intra.HEAD_DIMS:
-        return f"dk and dv must be equal and one of {kda_intra.HEAD_DIMS}, got {q.shape[-1]} and {v.shape[-1]}"
-    return None
-
-
-def kda_chunk_scan(
-    q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, implementation=None, interpret=False,
-    block_v=None, value_slots=None, o_products=None, multicast=None,
-):
-    """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
-
-    `implementation` None / "reference" / "pallas" (see the module docstring), `interpret` runs the
-    Pallas kernels in the interpreter, `block_v` the value columns per program of the serial chain,
-    `value_slots` its buffering of u and A_qk u, `o_products` the precision of its q_w S and `multicast`
-    its clusters (None picks each by the shape: `kda_chain.default_options`). The Pallas scan
-    multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
-    """
-    _check_inputs(q, k, v, g, beta, initial_state, lengths)
-    if pick_implementation(implementation, _scan_unsupported(q, v, chunk_size), q.dtype, interpret=interpret) == "reference":
-        return kda_chunk_scan_reference(q, k, v, g, beta, initial_state, chunk_size=chunk_size, lengths=lengths)
-    b, t, h, dk = q.shape
-    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-    if initial_state is None:
-        initial_state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
-    bf16 = jnp.bfloat16
-    o, state = kda_chain.chunk_scan(
-        q.astype(bf16), k.astype(bf16), v.astype(bf16), g.astype(jnp.float32), beta,
-        initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, block_v=block_v,
-        value_slots=value_slots, o_products=o_products, multicast=multicast, interpret=interpret,
-    )
-    return o[:, :t], state
-
-
-def kda_recurrent(q, k, v, g, beta, initial_state=None, *, lengths=None):
-    """Token-by-token KDA; see `kda_recurrent_reference` (reference only: prefill uses the chunked
-    kernel and decode the fused step)."""
-    return kda_recurrent_reference(q, k, v, g, beta, initial_state, lengths=lengths)
-
-
-def _check_decode_inputs(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state):
-    if qkv.ndim != 3 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv must be [B, 3, C], got {qkv.shape}")
-    b, _, c = qkv.shape
-    heads = a_log.shape[0] if a_log.ndim == 1 else 0
-    if a_log.ndim != 1 or heads == 0 or c % heads:
-        raise ValueError(f"a_log must be [H] with H dividing C = {c}, got {a_log.shape}")
-    d = c // heads
-    if conv_weight.ndim != 3 or conv_weight.shape[1:] != (3, c):
-        raise ValueError(f"conv_weight must be [K, 3, C] = [K, 3, {c}], got {conv_weight.shape}")
-    kernel = conv_weight.shape[0]
-    expected = {
-        "conv_state": (conv_state, (b, 3, c, kernel)),
-        "f": (f, (b, c)),
-        "dt_bias": (dt_bias, (c,)),
-        "beta_logits": (beta_logits, (b, heads)),
-        "state": (state, (b, heads, d, d)),
-    }
-    for name, (x, shape) in expected.items():
-        if x.shape != shape:
-            raise ValueError(f"{name} must be {list(shape)}, got {list(x.shape)}")
-
-
-def kda_decode_step(
-    qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, implementation=None,
-    interpret=False,
-):
-    """Single-token KDA with everything around the core in the kernels; arguments and results as
-    `kda_decode_step_reference`. Head dim 128 with a state of at least
-    `kda_decode.MIN_STATE_BYTES` takes two kernels (`kda_decode`: the token vectors in Triton, the
-    state update in Mosaic GPU); smaller states and other head dims the fused Triton step
-    (`kda_triton`).
-
-    The Pallas kernels update `state` in place: donate it under jit, or XLA copies it first.
-    """
-    _check_decode_inputs(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state)
-    d, kernel = state.shape[-1], conv_weight.shape[0]
-    unsupported = None
-    if not _power_of_two(d, 16, 128):
-        unsupported = f"head dim must be a power of two in [16, 128], got {d}"
-    elif not _power_of_two(kernel, 2, 8):  # the conv state is written as [channels, K] blocks
-        unsupported = f"the conv's width K must be 2, 4 or 8, got {kernel}"
-    if pick_implementation(implementation, unsupported, qkv.dtype, interpret=interpret) == "reference":
-        return kda_decode_step_reference(
-            qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, lower_bound=lower_bound
-        )
-    # Large states stream faster through the Mosaic GPU update (the state's loads by TMA, not through
-    # L1: kda_decode's docstring); small ones, mostly served from L2, through the one fused kernel.
-    two_kernels = d in kda_decode.STEP_HEAD_DIMS and state.size * 4 >= kda_decode.MIN_STATE_BYTES
-    step = kda_decode.decode_step if two_kernels else kda_triton.decode_step
-    return step(
-        qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state.astype(jnp.float32),
-        lower_bound=lower_bound, interpret=interpret,
-    )

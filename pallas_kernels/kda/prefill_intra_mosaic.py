@@ -1,5 +1,5 @@
 """The parallel half of the chunked KDA scan on Hopper, in Pallas Mosaic GPU: everything a 64-token
-chunk needs before the serial chain (`kda_chain`) meets it.
+chunk needs before the serial chain (`prefill_chain_mosaic`) meets it.
 
 One warpgroup per (chunk, head, sequence), its tiles brought in by TMA (rows past the end of the
 sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma).
@@ -28,7 +28,8 @@ The kernel computes:
 Every product is [64, 64] x [64, 64]: the channels go in blocks of 64 (BLOCK_K), so that each
 operand pair takes 16 KB. Both operands come from SMEM (A in registers gave wrong rows on the H200
 under this kernel's register pressure); every tile load is free of bank conflicts
-(`optimized=True`; single rows, G's marks and the inverse's pivots, are read without). SMEM: k, G and beta for the whole kernel, the rest scoped per phase (q and the
+(`optimized=True`; single rows, G's marks and the inverse's pivots, are read without). SMEM: k, G and
+beta for the whole kernel, the rest scoped per phase (q and the
 score passes' operands; then v's buffers, which hold A_kk's halves for the inverse until v comes in,
 and the pairs of the inverse (and a 4 KB fp32 buffer for its diagonal blocks' rows) and the WY
 products, which reuse v's buffers after u and bring q back for q_w): 103 KB at dk = 128 by the
@@ -57,9 +58,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kda.reference import L2_EPS
+from pallas_kernels.kda.tiles_mosaic import COL, ROW, WGMMA, load, matmul, operand_smem, split
+
 CHUNK = 64  # tokens per chunk of the scan
 HALF = CHUNK // 2
-L2_EPS = 1e-6
 # exp(16 |g|) times 128 channels stays finite in fp32 while |g| <= 5 (exp(80) * 128 = 7e36).
 MIN_GATE = -5.0
 HEAD_DIMS = (64, 128)
@@ -70,54 +73,19 @@ _F32, _BF16 = jnp.float32, jnp.bfloat16
 _MARK = 16  # G is kept at every 16th token's end (15, 31, 47, 63): the scores' reference tokens and the last
 _MARKS = CHUNK // _MARK
 
-_WG = plgpu.Layout.WGMMA
-_ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
-_COL = _WG.reduce(0)  # one value per column
-
 
 def _mark_of(token):
     """The index of token 16 i + 15 among the marks."""
     return token // _MARK
 
 
-def _operand_smem(shape, dtype=_BF16):
-    """SMEM tiled and swizzled for its minor dimension, as wgmma operands need."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
-    return plgpu.SMEM(
-        shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-    )
-
-
-def _load(ref, layout=_WG, optimized=True):
-    """A tile from SMEM; `optimized` (the default) refuses access patterns with bank conflicts."""
-    return plgpu.load(ref, layout=layout, optimized=optimized)
-
-
 def _iota(shape, dim):
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WG)
-
-
-def _split(x):
-    """x ~= hi + lo, both bf16."""
-    hi = x.astype(_BF16)
-    return hi, (x - hi.astype(_F32)).astype(_BF16)
-
-
-def _matmul(shape, pairs):
-    """sum(a @ b for a, b in pairs) in fp32 on the tensor cores, both operands SMEM refs."""
-
-    def accumulate(acc):
-        for a, b in pairs:
-            plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return pl.run_scoped(accumulate, plgpu.ACC(shape, _F32))
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 
 
 def _precise(shape, left, right):
     """left @ right for fp32 operands stored as bf16 (hi, lo) pairs: hi.hi + hi.lo + lo.hi."""
-    return _matmul(shape, [(left[0], right[0]), (left[0], right[1]), (left[1], right[0])])
+    return matmul(shape, [(left[0], right[0]), (left[0], right[1]), (left[1], right[0])])
 
 
 def _store_tf32(x, ref):
@@ -130,7 +98,7 @@ def _store_tf32(x, ref):
 
 
 def _store_split(x, pair):
-    hi, lo = _split(x)
+    hi, lo = split(x)
     pair[0][...] = hi
     pair[1][...] = lo
     plgpu.commit_smem()
@@ -156,7 +124,7 @@ def _diagonal_block_inverses(a, rows_s):
         plgpu.commit_smem()
         pivot = None  # row j of each block, for that block's rows
         for k in blocks:
-            row_j = lax.broadcast_in_dim(_load(rows_s.at[k * sub + j], _COL, optimized=False), tile, [1])
+            row_j = lax.broadcast_in_dim(load(rows_s.at[k * sub + j], COL, optimized=False), tile, [1])
             pivot = row_j if pivot is None else jnp.where(block == k, row_j, pivot)
         coefficient = lax.broadcast_in_dim(jnp.sum(jnp.where(col == j, diagonal, 0.0), axis=1), tile, [0])
         plgpu.commit_smem()  # every warp has read row j before the next step rewrites the buffer
@@ -221,10 +189,10 @@ def _intra_kernel(
         return lax.broadcast_in_dim(x, square, [1])
 
     def cum(cols):
-        return _load(cum_s.at[:, cols])
+        return load(cum_s.at[:, cols])
 
     def k(cols, scale):  # L2-normalised k times a per-row scale
-        return _load(k_s.at[:, cols]).astype(_F32) * rows_of(scale)
+        return load(k_s.at[:, cols]).astype(_F32) * rows_of(scale)
 
     r, cl = _iota(square, 0), _iota(square, 1)
 
@@ -243,10 +211,10 @@ def _intra_kernel(
                 piece[...] = part
                 rest = rest - part.astype(_F32)
             plgpu.commit_smem()  # the pieces are in; every warp has read g's block
-            cum_s.at[:, cols][...] = _matmul(square, [(ones_s, piece) for piece in pieces])
+            cum_s.at[:, cols][...] = matmul(square, [(ones_s, piece) for piece in pieces])
             # The marks from G's transpose, channels as rows: a row's own lanes hold its tokens, so
             # picking a token takes no exchange between warps (a column of G would: 2 barriers each).
-            sums_t = _matmul(square, [(piece.T, ones_s.T) for piece in pieces])
+            sums_t = matmul(square, [(piece.T, ones_s.T) for piece in pieces])
             for i in range(_MARKS):
                 mark = jnp.sum(jnp.where(cl == _MARK * i + _MARK - 1, sums_t, 0.0), axis=1)
                 marks_s.at[i, cols][...] = mark
@@ -268,17 +236,17 @@ def _intra_kernel(
         gate_sums(ones_s, pieces, marks_s, decay_s)
 
         def at_mark(i, cols):  # G at token 16 i + 15, one value per column
-            return cols_of(_load(marks_s.at[i, cols], _COL, optimized=False))
+            return cols_of(load(marks_s.at[i, cols], COL, optimized=False))
 
         def inverse_norm(ref, scale):
-            squares = sum(jnp.sum(_load(ref.at[:, cols]).astype(_F32) ** 2, axis=1) for cols in blocks)
+            squares = sum(jnp.sum(load(ref.at[:, cols]).astype(_F32) ** 2, axis=1) for cols in blocks)
             return scale / jnp.sqrt(squares + L2_EPS)
 
         q_scale, k_scale = inverse_norm(q_s, dk**-0.5), inverse_norm(k_s, 1.0)
-        beta = _load(beta_s, _ROW)  # zero past the sequence's length
+        beta = load(beta_s, ROW)  # zero past the sequence's length
 
         def q(cols):  # L2-normalised, scaled by dk^-0.5
-            return _load(q_s.at[:, cols]).astype(_F32) * rows_of(q_scale)
+            return load(q_s.at[:, cols]).astype(_F32) * rows_of(q_scale)
 
         # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, in two passes (a loop,
         # to keep the code small) with different references. Pass 0: the middle of each 32-token
@@ -319,7 +287,7 @@ def _intra_kernel(
             kept = jnp.where(i == 0, diagonal, lower_left)
             return a_qk + jnp.where(kept & (cl <= r), qk, 0.0), a_kk + jnp.where(kept & (cl < r), kk, 0.0)
 
-        zeros = plgpu.layout_cast(jnp.zeros(square, _F32), _WG)
+        zeros = plgpu.layout_cast(jnp.zeros(square, _F32), WGMMA)
         a_qk, a_kk = lax.fori_loop(0, 2, score_pass, (zeros, zeros))
 
         # k exp(G_last - G) out, as bf16 halves (the chain's left operand), one block per pair.
@@ -331,15 +299,15 @@ def _intra_kernel(
         return a_qk, a_kk, q_scale, k_scale
 
     def pair_smem():
-        return _operand_smem(square), _operand_smem(square)
+        return operand_smem(square), operand_smem(square)
 
     # Unswizzled buffers after the swizzled ones: on the H200 one placed before the swizzled operands
     # gave wrong products in rows 8-15 of every 16 (bench/RESULTS.md, the probes of commit 8556005).
-    score_operands = (_operand_smem(square, _F32), _operand_smem(square, _F32))
-    sum_operands = tuple(_operand_smem(square) for _ in range(4))  # tril(1) and g's three pieces
+    score_operands = (operand_smem(square, _F32), operand_smem(square, _F32))
+    sum_operands = tuple(operand_smem(square) for _ in range(4))  # tril(1) and g's three pieces
     a_qk, a_kk, q_scale, k_scale = pl.run_scoped(
         scores_and_kd,
-        _operand_smem((c, dk)),
+        operand_smem((c, dk)),
         plgpu.RefUnion(score_operands, (pair_smem(), pair_smem()), sum_operands),
         plgpu.SMEM((_MARKS, dk), _F32),
         plgpu.SMEM((dk,), _F32),
@@ -352,7 +320,7 @@ def _intra_kernel(
         v's buffers hold A_kk's halves for the inverse."""
         pair = lambda j: (halves_hi.at[j], halves_lo.at[j])  # noqa: E731
         pair_a, pair_b = pair(0), pair(1)
-        t = _unit_lower_inverse(a_kk, (v_s.at[0], v_s.at[1]), pair_a, pair_b, rows_s) * cols_of(_load(beta_s, _COL))
+        t = _unit_lower_inverse(a_kk, (v_s.at[0], v_s.at[1]), pair_a, pair_b, rows_s) * cols_of(load(beta_s, COL))
         _store_split(t, pair_b)  # T_b: the left operand of w and u; every warp is past the inverse
         for j, cols in enumerate(blocks):
             plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_s.at[j], v_loaded)
@@ -377,7 +345,7 @@ def _intra_kernel(
 
         @block_loop
         def _(j, cols):  # T_b is read before pair 1 takes u's last block
-            send(j, cols, _matmul((c, BLOCK_K), [(pair_b[0], v_s.at[j]), (pair_b[1], v_s.at[j])]), u_hi_ref, u_lo_ref)
+            send(j, cols, matmul((c, BLOCK_K), [(pair_b[0], v_s.at[j]), (pair_b[1], v_s.at[j])]), u_hi_ref, u_lo_ref)
 
         a_pair = (v_s.at[0], v_s.at[1])  # v has been read: its buffers take A_qk's halves
         _store_split(a_qk, a_pair)
@@ -395,8 +363,8 @@ def _intra_kernel(
 
         @block_loop
         def _(j, cols):  # q_w's halves take the place of q's block, once it is in registers
-            a_w = _matmul((c, BLOCK_K), [(a_pair[0], k_s.at[:, cols]), (a_pair[1], k_s.at[:, cols])])
-            q_exp = _load(halves_lo.at[j]).astype(_F32) * rows_of(q_scale) * jnp.exp(cum(cols))
+            a_w = matmul((c, BLOCK_K), [(a_pair[0], k_s.at[:, cols]), (a_pair[1], k_s.at[:, cols])])
+            q_exp = load(halves_lo.at[j]).astype(_F32) * rows_of(q_scale) * jnp.exp(cum(cols))
             plgpu.commit_smem()  # every warp has read q's block before q_w's halves overwrite it
             send(j, cols, q_exp - a_w, *qw_refs)  # the chain's left operand
 
@@ -404,7 +372,7 @@ def _intra_kernel(
 
     halves = (2, c, c)
     pl.run_scoped(
-        wy_products, _operand_smem(halves), _operand_smem(halves), _operand_smem(halves), plgpu.SMEM((c, _SUB_BLOCK), _F32)
+        wy_products, operand_smem(halves), operand_smem(halves), operand_smem(halves), plgpu.SMEM((c, _SUB_BLOCK), _F32)
     )
 
 
@@ -433,8 +401,8 @@ def intra(q, k, v, g, beta, lengths, *, qw_lo=True, interpret=False):
         grid=(n_chunks, h, b),
         grid_names=("n", "h", "b"),
         scratch_types=(
-            _operand_smem((c, dk)),  # k, then w
-            _operand_smem((c, dk), _F32),  # g, then G
+            operand_smem((c, dk)),  # k, then w
+            operand_smem((c, dk), _F32),  # g, then G
             plgpu.SMEM((c,), _F32),  # beta
             plgpu.Barrier(num_arrivals=4),  # q, k, g, beta
             plgpu.Barrier(num_arrivals=dk // BLOCK_K),  # v

@@ -1,5 +1,5 @@
-"""Runs on 8 host devices for tests/test_sharding.py, in a process of their own (the device count is
-fixed when JAX starts): `python tests/sharded_runs.py NAME` prints one JSON line.
+"""Runs on 8 host devices for tests/model/test_sharding.py, in a process of their own (the device count is
+fixed when JAX starts): `python tests/model/sharded_runs.py NAME` prints one JSON line.
 
 The model: the shipped checkpoint's widths with 8 KDA and 8 DSA heads (so that 8 devices split
 them), 2 layers (KDA, DSA; each with a MoE), random fp32 parameters."""
@@ -7,8 +7,9 @@ them), 2 layers (KDA, DSA; each with a MoE), random fp32 parameters."""
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # this tree's library, not an installed copy (the mutation runs test copies)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TESTS)
+sys.path[:0] = [ROOT, TESTS]  # this tree's library (not an installed copy: the mutations run test copies), conftest
 DEVICES = int(os.environ.get("SHARDED_RUNS_DEVICES", "8"))  # a process's devices (4 in the 2-process run)
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -19,9 +20,9 @@ import re  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from conftest import traced_kernels  # noqa: E402
 
 import glm5next_jax  # noqa: E402
-from conftest import traced_kernels  # noqa: E402
 from glm5next_jax import inference  # noqa: E402
 from glm5next_jax.cache import cache_axes, init_cache  # noqa: E402
 from glm5next_jax.sharding import host_values, make_layout, shard_params  # noqa: E402

@@ -14,4 +14,5 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path):
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": os.path.dirname(path)}}).execute()
+    resources = {"metadata": {"path": os.path.dirname(path)}}
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources=resources).execute()

@@ -1,7 +1,7 @@
 """The KDA decode step's Triton kernels: the fused step (`decode_step`, for states under
-`kda_decode.MIN_STATE_BYTES` and head dims outside `kda_decode.STEP_HEAD_DIMS`) and the token side
-alone (`token_vectors`, before `kda_decode.update_state`).
-`kda.py` dispatches here; the chunked prefill scan is in Mosaic GPU (`kda_intra`, `kda_chain`).
+`decode_update_mosaic.MIN_STATE_BYTES` and head dims outside `decode_update_mosaic.STEP_HEAD_DIMS`) and the token side
+alone (`token_vectors`, before `decode_update_mosaic.update_state`).
+`kda.py` dispatches here; the chunked prefill scan is in Mosaic GPU (`prefill_intra_mosaic`, `prefill_chain_mosaic`).
 """
 
 import functools
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import kda_intra
+from pallas_kernels.kda.reference import L2_EPS
 
 
 def _conv_silu(qkv_ref, conv_ref, weight_ref, conv_out_ref, b, part, chans):
@@ -43,7 +43,7 @@ def _decay_and_beta(f_ref, dt_bias_ref, a_log_ref, beta_ref, b, h, chans, lower_
 
 
 def _norm_scale(x):
-    return 1.0 / jnp.sqrt(jnp.sum(x * x) + kda_intra.L2_EPS)
+    return 1.0 / jnp.sqrt(jnp.sum(x * x) + L2_EPS)
 
 
 def _decode_kernel(
@@ -86,7 +86,7 @@ def slab_update(s, q, k, v, decay, beta, *, q_scale, k_scale):
     return new, o + jnp.sum(q * k) * (q_scale * k_scale) * delta
 
 
-def decode_step(
+def fused_decode_step(
     qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound, block_v=64, num_warps=4,
     interpret=False,
 ):
@@ -96,7 +96,7 @@ def decode_step(
     of eight launch shapes on the H200 (bench/RESULTS.md; 8 warps took twice as long). On the H200
     the kernel reaches 76-79% of the state-bytes roofline at batch 64 and 256 (H = 64, D = 128;
     writing the conv state as [channels, K] blocks rather than a tap at a time changed nothing
-    there), where the two-kernel step (`kda_decode`) reaches 80-83%; with less than 64 MiB of
+    there), where the two-kernel step (`decode_update_mosaic`) reaches 80-83%; with less than 64 MiB of
     state, or at D = 64, it is the faster of the two. The slab update alone reaches 87-89%. What
     holds it there is the launch: XLA launches it preferring shared memory (228 KiB, by ncu), which
     leaves 28 KiB of L1 for this kernel's loads; the same program launched by the triton package

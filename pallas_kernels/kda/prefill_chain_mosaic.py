@@ -1,5 +1,5 @@
 """The serial half of the chunked KDA scan on Hopper, in Pallas Mosaic GPU: the fp32 state S carried
-across the chunks that `kda_intra.intra` prepared.
+across the chunks that `prefill_intra_mosaic.intra` prepared.
 
 One warpgroup per (value block, head, sequence) walks the chunks in order, the next chunk's tiles in
 flight (TMA, two slots) while it works on the current one:
@@ -22,9 +22,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import kda_intra
-from pallas_kernels.kda_intra import _F32, _ROW, CHUNK, _load, _matmul, _operand_smem, _split
+from pallas_kernels.common import sm_count
+from pallas_kernels.kda import prefill_intra_mosaic
+from pallas_kernels.kda.prefill_intra_mosaic import CHUNK
+from pallas_kernels.kda.tiles_mosaic import ROW, load, matmul, operand_smem, split
 
+_F32 = jnp.float32
 BLOCK_V = 32  # value columns per program: two slots of its tiles fill most of the SMEM at dk = 128
 WIDE_BLOCK_V = 64  # over several waves: one CTA per SM, u and A_qk u in one slot (`default_options`)
 KEY_SLOTS = 2  # the next chunk's key tiles come in while this one's are worked on
@@ -42,7 +45,7 @@ def _key_smem(shape, block_v):
 
 def _pair_value(hi_ref, lo_ref):
     """hi + lo in fp32 from a pair of bf16 halves."""
-    return _load(hi_ref).astype(_F32) + _load(lo_ref).astype(_F32)
+    return load(hi_ref).astype(_F32) + load(lo_ref).astype(_F32)
 
 
 def _chain_kernel(
@@ -103,9 +106,9 @@ def _chain_kernel(
             fetch(n + 1, 1 - slot)
 
         # exp(G_last) straight from HBM into registers (no SMEM), loaded early to hide the latency
-        decay = _load(decay_ref.at[b, h, n], _ROW, optimized=False)
+        decay = load(decay_ref.at[b, h, n], ROW, optimized=False)
         plgpu.barrier_wait(arrived.at[slot])
-        s_hi, s_lo = _split(s)
+        s_hi, s_lo = split(s)
         s_halves[0][...] = s_hi
         s_halves[1][...] = s_lo
         plgpu.commit_smem()
@@ -114,9 +117,9 @@ def _chain_kernel(
         if early_values:
             plgpu.barrier_wait(values_arrived.at[0])
         u = _pair_value(u_hi_s.at[value_slot], u_lo_s.at[value_slot])
-        v_new = u - _matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
+        v_new = u - matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
         refetch_values(n, u_pairs, 0)
-        v_hi, v_lo = _split(v_new)
+        v_hi, v_lo = split(v_new)
         v_halves[0][...] = v_hi
         v_halves[1][...] = v_lo
         plgpu.commit_smem()
@@ -126,14 +129,14 @@ def _chain_kernel(
             o_pairs.append((qw_lo_s.at[slot], s_halves[0]))
         if early_values:
             plgpu.barrier_wait(values_arrived.at[1])
-        o = _pair_value(au_hi_s.at[value_slot], au_lo_s.at[value_slot]) + _matmul((c, block_v), o_pairs)
+        o = _pair_value(au_hi_s.at[value_slot], au_lo_s.at[value_slot]) + matmul((c, block_v), o_pairs)
         refetch_values(n, au_pairs, 1)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o is read
         o_s[...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, cols])
         kd_hi, kd_lo = kd_hi_s.at[slot].T, kd_lo_s.at[slot].T  # [dk, 64]: channels as rows
-        written = _matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])])
+        written = matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])])
         if multicast:  # chunk n + 2 will come into this slot: tell the cluster it is free
 
             @pl.when(n + 2 < n_chunks)
@@ -143,7 +146,7 @@ def _chain_kernel(
 
         return s * lax.broadcast_in_dim(decay, (dk, block_v), [0]) + written
 
-    s = lax.fori_loop(0, n_chunks, step, _load(s0_ref.at[b, h, :, cols], optimized=False))
+    s = lax.fori_loop(0, n_chunks, step, load(s0_ref.at[b, h, :, cols], optimized=False))
     s_ref.at[b, h, :, cols][...] = s
     plgpu.wait_smem_to_gmem(0)
 
@@ -168,7 +171,7 @@ def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
     value_slots=2, o_products=None, multicast=False, interpret=False,
 ):
-    """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `kda_intra.intra`'s
+    """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `prefill_intra_mosaic.intra`'s
     outputs and the fp32 initial state [B, H, dk, dv]. Each chunk's key tiles (w, q_w, k exp(G_last -
     G)) come in, in two slots, while the previous chunk is worked on; u and A_qk u too with
     `value_slots` 2 (one CTA per SM at dk = 128 and 32 columns: 225,280 B of SMEM by the lowering, or
@@ -182,7 +185,7 @@ def chain(
     are always 3, so the state does not depend on it. `multicast`: the value blocks of a head run as
     one cluster and share each chunk's w, q_w and k exp(G_last - G) tiles (TMA multicast: one read
     from L2 per head rather than one per block), at the cost of a cluster barrier per chunk. `qw_lo`
-    may be None (`kda_intra.intra(qw_lo=False)`) with one or two o products."""
+    may be None (`prefill_intra_mosaic.intra(qw_lo=False)`) with one or two o products."""
     o_products = default_o_products(out_dtype) if o_products is None else o_products
     b, h, padded, dk = w.shape
     dv = u_hi.shape[-1]
@@ -206,7 +209,7 @@ def chain(
             *(_key_smem((value_slots, c, block_v), block_v) for _ in range(4)),  # u and A_qk u, hi and lo
             tuple(_key_smem((dk, block_v), block_v) for _ in range(2)),  # S hi/lo
             tuple(_key_smem((c, block_v), block_v) for _ in range(2)),  # v_new hi/lo
-            _operand_smem((c, block_v), out_dtype),  # o on its way out
+            operand_smem((c, block_v), out_dtype),  # o on its way out
             plgpu.Barrier(
                 num_arrivals=(5 if o_products == 3 else 4) + 4 * (value_slots == KEY_SLOTS), num_barriers=KEY_SLOTS
             ),
@@ -225,14 +228,6 @@ def chain(
     return kernel(w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state)
 
 
-def lower_for_h200(fn, *args):
-    """`fn` jitted and lowered for an abstract H200 (no GPU needed): the Mosaic GPU kernels go through
-    their whole lowering (TMA shapes, layouts, wgmma operands), which the interpreter does not check."""
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-
-
 def scan_arg_shapes(b, t, h, d):
     """The shapes and dtypes `chunk_scan` takes (q, k, v, g, beta, initial_state, lengths) for b
     sequences of t tokens and h heads of dim d, as jax.ShapeDtypeStruct: to lower it without data."""
@@ -244,11 +239,6 @@ def scan_arg_shapes(b, t, h, d):
         sds((b, h, d, d), _F32),
         sds((b,), jnp.int32),
     )
-
-
-def sm_count():
-    """SMs of the default device (132, the H200's, where JAX does not say: CPU lowering for it)."""
-    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def default_options(b, h, dv, out_dtype, *, block_v=None, value_slots=None, multicast=None, sms=None):
@@ -279,8 +269,8 @@ def chunk_scan(
     q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=None, value_slots=None, o_products=None,
     multicast=None, interpret=False,
 ):
-    """The chunked KDA scan on the GPU: `kda_intra.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
-    kda_intra.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
+    """The chunked KDA scan on the GPU: `prefill_intra_mosaic.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
+    prefill_intra_mosaic.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
     `lengths` int32 [B]. Returns o [B, T', H, d] in `out_dtype` (T' = T rounded up to whole chunks;
     rows past T are meaningless) and the final state. `block_v`, `value_slots` and `multicast` None
     are picked by `default_options`; `o_products` as in `chain`; q_w's lo half is computed only for
@@ -291,7 +281,7 @@ def chunk_scan(
         b, h, dv, out_dtype, block_v=block_v, value_slots=value_slots, multicast=multicast
     )
     _check_options(dv, block_v, value_slots, o_products, multicast)  # before the intra kernel runs
-    parts = kda_intra.intra(
+    parts = prefill_intra_mosaic.intra(
         q, k, v, g, jnp.swapaxes(beta, 1, 2).astype(_F32), lengths, qw_lo=o_products == 3, interpret=interpret
     )
     return chain(

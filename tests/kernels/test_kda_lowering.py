@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import kda, kda_chain, kda_decode
+from pallas_kernels import kda
+from pallas_kernels.common import lower_for_h200
+from pallas_kernels.kda import decode_update_mosaic, prefill_chain_mosaic
 
 
 def lowered_calls(fn, *args):
     """The custom calls of `fn` lowered for the H200."""
-    return re.findall(r"custom_call @([\w$.]+)", kda_chain.lower_for_h200(fn, *args).as_text())
+    return re.findall(r"custom_call @([\w$.]+)", lower_for_h200(fn, *args).as_text())
 
 
 @pytest.mark.parametrize(
@@ -24,8 +26,8 @@ def lowered_calls(fn, *args):
      (2, 130, 80, 64)],
 )
 def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
-    args = kda_chain.scan_arg_shapes(b, t, h, d)
-    calls = lowered_calls(lambda *a: kda_chain.chunk_scan(*a, out_dtype=jnp.bfloat16), *args)
+    args = prefill_chain_mosaic.scan_arg_shapes(b, t, h, d)
+    calls = lowered_calls(lambda *a: prefill_chain_mosaic.chunk_scan(*a, out_dtype=jnp.bfloat16), *args)
     assert calls == ["mosaic_gpu_v2"] * 2, calls  # intra, chain
 
 
@@ -33,20 +35,20 @@ def test_scan_kernels_lower_for_the_gpu(b, t, h, d):
 @pytest.mark.parametrize("b, t, h, d", [(1, 8192, 64, 128), (8, 4096, 16, 128)])
 def test_chain_with_one_value_slot_lowers_for_the_gpu(b, t, h, d, multicast):
     """64 value columns, the key tiles in two slots, u and A_qk u in one (221,184 B of SMEM)."""
-    scan = lambda *a: kda_chain.chunk_scan(  # noqa: E731
+    scan = lambda *a: prefill_chain_mosaic.chunk_scan(  # noqa: E731
         *a, out_dtype=jnp.bfloat16, block_v=64, value_slots=1, multicast=multicast
     )
-    assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 2
+    assert lowered_calls(scan, *prefill_chain_mosaic.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 2
 
 
 @pytest.mark.parametrize("value_slots", [1, 2])
 @pytest.mark.parametrize("b, t, h, d", [(1, 16384, 16, 128), (2, 130, 3, 64)])
 def test_chain_with_multicast_lowers_for_the_gpu(b, t, h, d, value_slots):
     """Clusters of a head's value blocks, TMA multicast and the cluster barrier that frees each slot."""
-    scan = lambda *a: kda_chain.chunk_scan(  # noqa: E731
+    scan = lambda *a: prefill_chain_mosaic.chunk_scan(  # noqa: E731
         *a, out_dtype=jnp.bfloat16, value_slots=value_slots, multicast=True
     )
-    assert lowered_calls(scan, *kda_chain.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 2
+    assert lowered_calls(scan, *prefill_chain_mosaic.scan_arg_shapes(b, t, h, d)) == ["mosaic_gpu_v2"] * 2
 
 
 @pytest.mark.parametrize(
@@ -57,7 +59,7 @@ def test_chain_with_multicast_lowers_for_the_gpu(b, t, h, d, value_slots):
 def test_decode_step_lowers_for_the_gpu(b, h, d, two_kernels):
     """States of 64 MiB and more at head dim 128: the Triton token vectors, then the Mosaic GPU
     update; smaller states and other head dims (64 among them) the fused Triton step."""
-    assert (b * h * d * d * 4 >= kda_decode.MIN_STATE_BYTES and d in kda_decode.STEP_HEAD_DIMS) == two_kernels
+    assert (b * h * d * d * 4 >= decode_update_mosaic.MIN_STATE_BYTES and d in decode_update_mosaic.STEP_HEAD_DIMS) == two_kernels
     args = jax.eval_shape(lambda: kda.random_decode_inputs(jax.random.key(0), b, h, d))
     step = lambda x: kda.kda_decode_step(**x, lower_bound=-5.0, implementation="pallas")  # noqa: E731
     expected = ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"] if two_kernels else ["__gpu$xla.gpu.triton"]

@@ -1,5 +1,5 @@
 """Logical-axis annotations, the layouts' rules, and the model on 8 host devices under every layout
-(tests/sharded_runs.py, in processes of their own): equal to one device, the cache placed by its
+(tests/model/sharded_runs.py, in processes of their own): equal to one device, the cache placed by its
 logical axes, no expert weight gathered, every kernel inside a shard_map."""
 
 import functools
@@ -66,11 +66,11 @@ def test_make_layout_names_what_it_cannot_make():
         make_mesh(data=2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sharded_run(name):
-    """One of tests/sharded_runs.py's runs on 8 host devices, its JSON result."""
+    """One of tests/model/sharded_runs.py's runs on 8 host devices, its JSON result."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_runs.py"), name], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "model", "sharded_runs.py"), name], env=env, cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -132,7 +132,7 @@ def check_sharded_load(tmp_path, layers, settings, layout):
     for spec in ("none", layout):
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         out = tmp_path / f"logits-{spec.replace(':', '_')}.npy"
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_runs.py"), "load_made_checkpoint",
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "model", "sharded_runs.py"), "load_made_checkpoint",
                                str(tmp_path / "ckpt"), spec, str(out)], env=env, cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[spec] = {**json.loads(done.stdout.strip().splitlines()[-1]), "logits": np.load(out)}
@@ -180,7 +180,7 @@ def test_two_processes_equal_one(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = str(s.getsockname()[1])
-    script = [sys.executable, os.path.join(ROOT, "tests", "sharded_runs.py"), "two_processes", str(tmp_path / "ckpt")]
+    script = [sys.executable, os.path.join(ROOT, "tests", "model", "sharded_runs.py"), "two_processes", str(tmp_path / "ckpt")]
     env = dict(os.environ, JAX_PLATFORMS="cpu", SHARDED_RUNS_DEVICES="4")
     procs = [subprocess.Popen(script + [str(tmp_path / "two.npy"), str(i), port], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -21,7 +21,9 @@ def test_generate_from_ids_and_from_a_converted_orbax_checkpoint(tmp_path):
     assert "(the decode step's compilation), then" in err and "tokens/s" in err, err
     _, err = cli("convert", "--checkpoint", SHIPPED, "--dtype", "float32", "--out", str(tmp_path / "orbax"))
     assert "8/8" in err  # the progress bar reached the last layer
-    again, _ = cli("generate", "--checkpoint", str(tmp_path / "orbax"), "--ids", "5 17 301 42 8, 9 10 11", "--max-new-tokens", "6")
+    again, _ = cli(
+        "generate", "--checkpoint", str(tmp_path / "orbax"), "--ids", "5 17 301 42 8, 9 10 11", "--max-new-tokens", "6"
+    )
     assert again.splitlines()[-2:] == out.splitlines()[-2:]
 
 

@@ -126,7 +126,7 @@ def test_default_on_cpu_is_the_reference():
 
 
 def test_kernel_lowers_for_the_gpu_at_the_model_shapes():
-    from pallas_kernels.kda_chain import lower_for_h200
+    from pallas_kernels.common import lower_for_h200
 
     sds = jax.ShapeDtypeStruct
     for b, t, s, splits in [(1, 4096, 4096, 1), (8, 1, 32768, 32)]:
@@ -182,7 +182,8 @@ def test_paged_cache(latent_dtype):
     indices = np.stack([rng.permutation(pages_per_seq * page_size)[:40] for _ in range(b * t)]).reshape(b, t, 40)
     indices[0, 1, :5] = pages_per_seq * page_size + np.arange(5)  # out of range: empty
     indices = jnp.asarray(indices, jnp.int32)
-    kwargs = dict(scale=r**-0.5, page_table=jnp.asarray(page_table), latent_scales=None if scales is None else jnp.asarray(scales))
+    scales = None if scales is None else jnp.asarray(scales)
+    kwargs = dict(scale=r**-0.5, page_table=jnp.asarray(page_table), latent_scales=scales)
     got = kernel_attention(q, pages, indices, **kwargs)
     want = la.sparse_latent_attention(q, pages, indices, implementation="reference", **kwargs)
     in_range = jnp.where(indices < pages_per_seq * page_size, indices, -1)

@@ -1,0 +1,120 @@
+"""The MoE's grouped GEMM on Hopper in Pallas Mosaic GPU, over the expert-tiled row layout of
+`api.expert_tiles` (every tile one expert's rows).
+
+The kernel runs one CTA per SM, each walking its share of the (tile, column block) items, column
+blocks fastest (the SMs at work at one time share a few tiles' rows and their experts' weight
+columns in L2, so HBM sees each weight about once), and skipping tiles past the used ones. Per item,
+two compute warpgroups split the columns and a third feeds them by TMA, pipelined over K
+(`emit_pipeline_warp_specialized`). On the H200 this simple form was 2-6% faster than one pipeline
+per SM across all its items over 64-row tiles in pairs (bench/RESULTS.md, twenty-third session).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """The kernel's tiling: `block_rows` rows per tile (64 or 128: one or two wgmma row blocks),
+    `block_cols` columns per CTA (split between the two compute warpgroups), `block_k` the pipelined
+    slice of K, `stages` slices in flight."""
+
+    block_rows: int = 128
+    block_cols: int = 256
+    block_k: int = 64
+    stages: int = 3
+
+
+def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: GemmConfig, n_tiles: int):
+    bm, bn, bk = config.block_rows, config.block_cols, config.block_k
+    k, n = w_ref.shape[1:]
+    col_blocks = n // bn
+    wg_cols = bn // 2
+    swizzle = plgpu.find_swizzle(bk * 16)
+    operand = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    out_swizzle = plgpu.find_swizzle(wg_cols * 16)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k // bk,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=operand, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=operand, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.stages,
+            compute_context=context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(x_ref, w_ref.at[0]),
+        out_smem=plgpu.SMEM((2, bm, wg_cols), o_ref.dtype, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def scope(allocations, out_smem):
+        wg = lax.axis_index("wg")
+        used_tiles = used_ref[0]
+
+        @plgpu.nd_loop((n_tiles * col_blocks,), collective_axes="sm")
+        def tile_loop(info):
+            (index,) = info.index
+            tile, col_block = index // col_blocks, index % col_blocks
+
+            @pl.when(tile < used_tiles)
+            def _():
+                rows = pl.ds(tile * bm, bm)
+                cols = pl.ds(col_block * bn, bn)
+
+                def context(run_pipeline):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, wg_cols), jnp.float32))
+                    def _(acc):
+                        run_pipeline(acc)
+                        # The previous tile's store from this buffer must be done reading it.
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = acc[...].astype(out_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg], o_ref.at[rows, pl.ds(col_block * bn + wg * wg_cols, wg_cols)]
+                        )
+
+                def multiply(_, x_smem, w_smem, acc):
+                    plgpu.wgmma(acc, x_smem, w_smem.at[:, pl.ds(wg * wg_cols, wg_cols)])
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                pipeline(multiply, context)(
+                    x_ref.at[rows, :], w_ref.at[tile_experts_ref[tile]].at[:, cols], allocations=allocations
+                )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def grouped_matmul_kernel(x, weights, tile_experts, used_tiles, *, config: GemmConfig, interpret: bool, sms: int):
+    n_tiles = tile_experts.shape[0]
+    kernel = plgpu.kernel(
+        functools.partial(_gemm_kernel, config=config, n_tiles=n_tiles),
+        out_type=jax.ShapeDtypeStruct((x.shape[0], weights.shape[2]), x.dtype),
+        grid=(sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
+        if interpret else None,
+        kernel_name="moe_grouped_matmul",
+    )
+    return kernel(tile_experts, jnp.reshape(used_tiles, (1,)).astype(jnp.int32), x, weights)

@@ -1,0 +1,28 @@
+"""DSA's token selection (`api`): pool scores and the ranking in Triton (`candidate_scores_triton`,
+`top_pools_triton`) or their references (`reference`), and the pool and tail bookkeeping both share."""
+
+from pallas_kernels.select_tokens.api import select_tokens
+from pallas_kernels.select_tokens.reference import (
+    candidate_scores_reference,
+    first_valid_key,
+    pool_scores,
+    pool_token_indices,
+    pool_validity,
+    select_tokens_reference,
+    top_pools_reference,
+    visible_key_counts,
+    visible_pools,
+)
+
+__all__ = [
+    "candidate_scores_reference",
+    "first_valid_key",
+    "pool_scores",
+    "pool_token_indices",
+    "pool_validity",
+    "select_tokens",
+    "select_tokens_reference",
+    "top_pools_reference",
+    "visible_key_counts",
+    "visible_pools",
+]

@@ -1,0 +1,75 @@
+"""DSA token selection: score complete key pools per query, keep the best, expand them to tokens.
+
+Pools start at the sequence's first valid key and hold `pool_size` consecutive keys; a pool is valid
+when all its keys exist and are valid, and it is a candidate for a query when its last key is
+visible to that query (causal and valid). For each query the best min(index_topk / pool_size,
+n_pools) candidates are kept and expanded to their token indices; the query's incomplete tail
+(the visible keys after its last complete pool) is appended raw; rows are padded with -1 to a fixed
+width, and rows of invalid queries are all -1.
+
+The candidates' scores (every query against every pool, the work that grows as T x T) have two
+implementations behind `select_tokens`:
+- `candidate_scores_reference` (`reference`): jnp, any device; its [T, nh, n_pools] fp32 products are whole for
+  a block of QUERY_BLOCK queries;
+- a Pallas kernel (`candidate_scores_triton`; GPU, bf16 queries and pool keys): one program per (block of
+  queries, block of pools) sums the heads' relu'd products in registers, so only the [T, n_pools]
+  scores reach HBM, and a block of pools that no query of the block sees yet is not multiplied.
+The ranking likewise: XLA's top-k (`top_pools_reference`, a sort of each whole row on the GPU), or
+with the kernels a Pallas kernel that finds each row's k-th best score bit by bit and keeps what
+reaches it (`top_pools_triton`: the same set, ties to the lower index as XLA's, in the row's order).
+The scores agree up to the order of fp32 sums, so a near-tie at the k-th place may rank otherwise.
+"""
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import pick_implementation
+from pallas_kernels.select_tokens.candidate_scores_triton import KERNEL_HEAD_DIMS, candidate_scores_kernel
+from pallas_kernels.select_tokens.reference import QUERY_BLOCK, select_tokens_reference, select_with, top_pools_reference
+from pallas_kernels.select_tokens.top_pools_triton import MAX_TOP_POOLS, top_pools_kernel
+
+# With the kernel, queries ranked together: as many as keep a block's fp32 scores within 64 MB.
+KERNEL_BLOCK_SCORES = 1 << 24
+
+
+def _kernel_unsupported(q_idx, pool_keys):
+    if q_idx.dtype != jnp.bfloat16 or pool_keys.dtype != jnp.bfloat16:
+        return f"q_idx and pool_keys must be bf16, got {q_idx.dtype} and {pool_keys.dtype}"
+    if q_idx.shape[-1] not in KERNEL_HEAD_DIMS:
+        return f"the index head dim must be one of {KERNEL_HEAD_DIMS}, got {q_idx.shape[-1]}"
+    return None
+
+
+def select_tokens(
+    q_idx, head_weights, pool_keys, key_valid, query_positions, *, index_topk, pool_size, select_tail=True,
+    implementation=None, interpret=False,
+):
+    """The arguments and result as `select_tokens_reference`'s (with the kernels, each row's pools in
+    their order rather than best first). `implementation`: None (the scores and top-k kernels on GPU
+    for bf16 q_idx and pool keys, else the reference), "reference" or "pallas"; `interpret` runs the
+    kernels in Pallas' interpreter."""
+    b, t, nh, hd = q_idx.shape
+    s = key_valid.shape[-1] if key_valid.ndim == 2 else None
+    if head_weights.shape != (b, t, nh):
+        raise ValueError(f"head_weights must be [B, T, nh] = {(b, t, nh)}, got {head_weights.shape}")
+    if pool_keys.ndim != 3 or pool_keys.shape[0] != b or pool_keys.shape[2] != hd:
+        raise ValueError(f"pool_keys must be [B, n_pools, hd] = [{b}, n_pools, {hd}], got {pool_keys.shape}")
+    if key_valid.shape != (b, s):
+        raise ValueError(f"key_valid must be [B, S] with B = {b}, got {key_valid.shape}")
+    if query_positions.shape != (b, t):
+        raise ValueError(f"query_positions must be [B, T] = {(b, t)}, got {query_positions.shape}")
+    if pool_size < 1 or index_topk % pool_size:
+        raise ValueError(f"index_topk ({index_topk}) must be a positive multiple of pool_size ({pool_size})")
+    if pool_keys.shape[1] * pool_size > s:
+        raise ValueError(f"{pool_keys.shape[1]} pools of {pool_size} do not fit in {s} keys")
+    kw = dict(index_topk=index_topk, pool_size=pool_size, select_tail=select_tail)
+    unsupported = _kernel_unsupported(q_idx, pool_keys)
+    if pick_implementation(implementation, unsupported, q_idx.dtype, interpret=interpret) == "reference":
+        return select_tokens_reference(q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)
+    block = max(QUERY_BLOCK, KERNEL_BLOCK_SCORES // max(pool_keys.shape[1], 1) // QUERY_BLOCK * QUERY_BLOCK)
+    scores = functools.partial(candidate_scores_kernel, interpret=interpret)
+    fits = pl.next_power_of_2(pool_keys.shape[1]) <= MAX_TOP_POOLS
+    top = functools.partial(top_pools_kernel, interpret=interpret) if fits else top_pools_reference
+    return select_with(scores, top, block, q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)
