@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -124,6 +125,34 @@ def record(case, error):
     PARITY_ERRORS[case] = error
     return error
 
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kernel-seed", type=int, default=None,
+                     help="the seed of the kernel tests' random inputs (default: a new one each run)")
+
+
+def pytest_configure(config):
+    seed = config.getoption("--kernel-seed")
+    config.kernel_seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+
+
+def pytest_report_header(config):
+    return f"kernel tests' inputs: --kernel-seed {config.kernel_seed}"
+
+
+@pytest.fixture(scope="session")
+def kernel_seed(request):
+    """One seed per session for the kernel tests' random inputs (tests/kernels/kernel_case.py)."""
+    return request.config.kernel_seed
+
+
+def pytest_generate_tests(metafunc):
+    """A `KernelCase` subclass's tests over its cases: `edge_case` over `cases`, `lowering_case` over
+    `lowering_cases`."""
+    for name, attribute in (("edge_case", "cases"), ("lowering_case", "lowering_cases")):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, list(getattr(metafunc.cls, attribute)))
 
 def pytest_terminal_summary(terminalreporter):
     if PARITY_ERRORS:

@@ -48,6 +48,113 @@ def _pair_value(hi_ref, lo_ref):
     return load(hi_ref).astype(_F32) + load(lo_ref).astype(_F32)
 
 
+class _Chain:
+    """What one program of the chain (one block of value columns of one head of one sequence) shares
+    across its chunks: the tiles in HBM, their slots in SMEM, the barriers, and how they are fetched.
+    With one slot of u and A_qk u under two of the key tiles (`early_values`), each is fetched anew as
+    soon as it is in registers, a step ahead of its use, on a barrier of its own (values_arrived: u,
+    A_qk u)."""
+
+    def __init__(self, refs, scratch, barriers, *, n_chunks, o_products, multicast):
+        (self.w_ref, self.u_hi_ref, self.u_lo_ref, self.qw_hi_ref, self.qw_lo_ref, self.au_hi_ref, self.au_lo_ref,
+         self.kd_hi_ref, self.kd_lo_ref, self.decay_ref, self.s0_ref, self.o_ref, self.s_ref) = refs
+        (self.w_s, self.qw_hi_s, self.qw_lo_s, self.kd_hi_s, self.kd_lo_s, self.u_hi_s, self.u_lo_s, self.au_hi_s,
+         self.au_lo_s, self.s_halves, self.v_halves, self.o_s) = scratch
+        self.arrived, self.consumed, self.values_arrived = barriers
+        self.n_chunks, self.o_products, self.multicast = n_chunks, o_products, multicast
+        self.vb, self.h, self.b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+        self.slots, self.value_slots, (_, self.block_v) = self.w_s.shape[0], self.u_hi_s.shape[0], self.u_hi_s.shape[1:]
+        self.early_values = self.value_slots < self.slots
+        self.dk = self.w_s.shape[-1]
+        self.cols = pl.ds(self.vb * self.block_v, self.block_v)
+        self.u_pairs = ((self.u_hi_ref, self.u_hi_s), (self.u_lo_ref, self.u_lo_s))
+        self.au_pairs = ((self.au_hi_ref, self.au_hi_s), (self.au_lo_ref, self.au_lo_s))
+
+    def fetch_values(self, n, slot, pairs, barrier):
+        for src, dst in pairs:
+            plgpu.copy_gmem_to_smem(src.at[self.b, self.h, pl.ds(n * CHUNK, CHUNK), self.cols], dst.at[slot], barrier)
+
+    def fetch(self, n, slot):
+        tokens = pl.ds(n * CHUNK, CHUNK)
+        keys = ((self.w_ref, self.w_s), (self.qw_hi_ref, self.qw_hi_s), (self.kd_hi_ref, self.kd_hi_s),
+                (self.kd_lo_ref, self.kd_lo_s))
+        for src, dst in keys + (((self.qw_lo_ref, self.qw_lo_s),) if self.o_products == 3 else ()):
+            # With multicast, the head's value blocks (one cluster) each fetch a part of these tiles,
+            # which every block of the cluster receives: one read from L2 for the head, not one per block.
+            plgpu.copy_gmem_to_smem(
+                src.at[self.b, self.h, tokens], dst.at[slot], self.arrived.at[slot],
+                collective_axes="v" if self.multicast else None,
+            )
+        if not self.early_values:
+            self.fetch_values(n, slot, self.u_pairs + self.au_pairs, self.arrived.at[slot])
+
+    def refetch_values(self, n, pairs, barrier):
+        """Chunk n + 1's u (or A_qk u, by `barrier` 0 or 1) into the buffer that chunk n's has just
+        left for registers."""
+        if self.early_values:
+            plgpu.commit_smem()  # every thread has read them
+            pl.when(n + 1 < self.n_chunks)(lambda: self.fetch_values(n + 1, 0, pairs, self.values_arrived.at[barrier]))
+
+
+def _chain_step(p, n, s):
+    """Chunk n on state s [dk, block_v] fp32: v_new = u - w S, o = A_qk u + q_w S out, and the next
+    state exp(G_last) S + (k exp(G_last - G))^T v_new."""
+    c, block_v = CHUNK, p.block_v
+    slot = lax.rem(n, p.slots)
+    with jax.named_scope("prefetch"):  # the next chunk's tiles come in while this one is worked on
+        plgpu.commit_smem()  # every thread is done with the previous chunk's buffers
+
+        @pl.when(n + 1 < p.n_chunks)
+        def _():
+            if p.multicast:  # every block of the cluster is done with chunk n - 1's slot
+                pl.when(n >= 1)(lambda: plgpu.barrier_wait(p.consumed.at[1 - slot]))
+            p.fetch(n + 1, 1 - slot)
+
+    # exp(G_last) straight from HBM into registers (no SMEM), loaded early to hide the latency
+    decay = load(p.decay_ref.at[p.b, p.h, n], ROW, optimized=False)
+    plgpu.barrier_wait(p.arrived.at[slot])
+    with jax.named_scope("v_new"):
+        s_hi, s_lo = split(s)
+        p.s_halves[0][...] = s_hi
+        p.s_halves[1][...] = s_lo
+        plgpu.commit_smem()
+        w = p.w_s.at[slot]
+        value_slot = lax.rem(n, p.value_slots)
+        if p.early_values:
+            plgpu.barrier_wait(p.values_arrived.at[0])
+        u = _pair_value(p.u_hi_s.at[value_slot], p.u_lo_s.at[value_slot])
+        v_new = u - matmul((c, block_v), [(w, p.s_halves[0]), (w, p.s_halves[1])])
+        p.refetch_values(n, p.u_pairs, 0)
+        v_hi, v_lo = split(v_new)
+        p.v_halves[0][...] = v_hi
+        p.v_halves[1][...] = v_lo
+        plgpu.commit_smem()
+    with jax.named_scope("o"):
+        qw_hi = p.qw_hi_s.at[slot]
+        o_pairs = [(qw_hi, p.s_halves[0]), (qw_hi, p.s_halves[1])][: p.o_products]
+        if p.o_products == 3:
+            o_pairs.append((p.qw_lo_s.at[slot], p.s_halves[0]))
+        if p.early_values:
+            plgpu.barrier_wait(p.values_arrived.at[1])
+        o = _pair_value(p.au_hi_s.at[value_slot], p.au_lo_s.at[value_slot]) + matmul((c, block_v), o_pairs)
+        p.refetch_values(n, p.au_pairs, 1)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o is read
+        p.o_s[...] = o.astype(p.o_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(p.o_s, p.o_ref.at[p.b, pl.ds(n * c, c), p.h, p.cols])
+    with jax.named_scope("state"):
+        kd_hi, kd_lo = p.kd_hi_s.at[slot].T, p.kd_lo_s.at[slot].T  # [dk, 64]: channels as rows
+        written = matmul((p.dk, block_v), [(kd_hi, p.v_halves[0]), (kd_hi, p.v_halves[1]), (kd_lo, p.v_halves[0])])
+        if p.multicast:  # chunk n + 2 will come into this slot: tell the cluster it is free
+
+            @pl.when(n + 2 < p.n_chunks)
+            def _():
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p.consumed.at[slot])
+
+        return s * lax.broadcast_in_dim(decay, (p.dk, block_v), [0]) + written
+
+
 def _chain_kernel(
     w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
     o_ref, s_ref,
@@ -55,99 +162,19 @@ def _chain_kernel(
     arrived, consumed, values_arrived,
     *, n_chunks, o_products, multicast,
 ):
-    c = CHUNK
-    vb, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
-    slots, value_slots, (_, block_v) = w_s.shape[0], u_hi_s.shape[0], u_hi_s.shape[1:]
-    # One slot of u and A_qk u under two of the key tiles: each is fetched anew as soon as it is in
-    # registers, a step ahead of its use, on a barrier of its own (values_arrived: u, A_qk u).
-    early_values = value_slots < slots
-    dk = w_s.shape[-1]
-    cols = pl.ds(vb * block_v, block_v)
-
-    u_pairs, au_pairs = ((u_hi_ref, u_hi_s), (u_lo_ref, u_lo_s)), ((au_hi_ref, au_hi_s), (au_lo_ref, au_lo_s))
-
-    def fetch_values(n, slot, pairs, barrier):
-        for src, dst in pairs:
-            plgpu.copy_gmem_to_smem(src.at[b, h, pl.ds(n * c, c), cols], dst.at[slot], barrier)
-
-    def fetch(n, slot):
-        tokens = pl.ds(n * c, c)
-        keys = ((w_ref, w_s), (qw_hi_ref, qw_hi_s), (kd_hi_ref, kd_hi_s), (kd_lo_ref, kd_lo_s))
-        for src, dst in keys + (((qw_lo_ref, qw_lo_s),) if o_products == 3 else ()):
-            # With multicast, the head's value blocks (one cluster) each fetch a part of these tiles,
-            # which every block of the cluster receives: one read from L2 for the head, not one per block.
-            plgpu.copy_gmem_to_smem(
-                src.at[b, h, tokens], dst.at[slot], arrived.at[slot], collective_axes="v" if multicast else None
-            )
-        if not early_values:
-            fetch_values(n, slot, u_pairs + au_pairs, arrived.at[slot])
-
-    fetch(0, 0)
-    if early_values:
-        fetch_values(0, 0, u_pairs, values_arrived.at[0])
-        fetch_values(0, 0, au_pairs, values_arrived.at[1])
-
-    def refetch_values(n, pairs, barrier):
-        """Chunk n + 1's u (or A_qk u, by `barrier` 0 or 1) into the buffer that chunk n's has just
-        left for registers."""
-        if early_values:
-            plgpu.commit_smem()  # every thread has read them
-            pl.when(n + 1 < n_chunks)(lambda: fetch_values(n + 1, 0, pairs, values_arrived.at[barrier]))
-
-    def step(n, s):
-        slot = lax.rem(n, slots)
-        # The next chunk's tiles come in while this one is worked on.
-        plgpu.commit_smem()  # every thread is done with the previous chunk's buffers
-
-        @pl.when(n + 1 < n_chunks)
-        def _():
-            if multicast:  # every block of the cluster is done with chunk n - 1's slot
-                pl.when(n >= 1)(lambda: plgpu.barrier_wait(consumed.at[1 - slot]))
-            fetch(n + 1, 1 - slot)
-
-        # exp(G_last) straight from HBM into registers (no SMEM), loaded early to hide the latency
-        decay = load(decay_ref.at[b, h, n], ROW, optimized=False)
-        plgpu.barrier_wait(arrived.at[slot])
-        s_hi, s_lo = split(s)
-        s_halves[0][...] = s_hi
-        s_halves[1][...] = s_lo
-        plgpu.commit_smem()
-        w = w_s.at[slot]
-        value_slot = lax.rem(n, value_slots)
-        if early_values:
-            plgpu.barrier_wait(values_arrived.at[0])
-        u = _pair_value(u_hi_s.at[value_slot], u_lo_s.at[value_slot])
-        v_new = u - matmul((c, block_v), [(w, s_halves[0]), (w, s_halves[1])])
-        refetch_values(n, u_pairs, 0)
-        v_hi, v_lo = split(v_new)
-        v_halves[0][...] = v_hi
-        v_halves[1][...] = v_lo
-        plgpu.commit_smem()
-        qw_hi = qw_hi_s.at[slot]
-        o_pairs = [(qw_hi, s_halves[0]), (qw_hi, s_halves[1])][:o_products]
-        if o_products == 3:
-            o_pairs.append((qw_lo_s.at[slot], s_halves[0]))
-        if early_values:
-            plgpu.barrier_wait(values_arrived.at[1])
-        o = _pair_value(au_hi_s.at[value_slot], au_lo_s.at[value_slot]) + matmul((c, block_v), o_pairs)
-        refetch_values(n, au_pairs, 1)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o is read
-        o_s[...] = o.astype(o_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, cols])
-        kd_hi, kd_lo = kd_hi_s.at[slot].T, kd_lo_s.at[slot].T  # [dk, 64]: channels as rows
-        written = matmul((dk, block_v), [(kd_hi, v_halves[0]), (kd_hi, v_halves[1]), (kd_lo, v_halves[0])])
-        if multicast:  # chunk n + 2 will come into this slot: tell the cluster it is free
-
-            @pl.when(n + 2 < n_chunks)
-            def _():
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(consumed.at[slot])
-
-        return s * lax.broadcast_in_dim(decay, (dk, block_v), [0]) + written
-
-    s = lax.fori_loop(0, n_chunks, step, load(s0_ref.at[b, h, :, cols], optimized=False))
-    s_ref.at[b, h, :, cols][...] = s
+    p = _Chain(
+        (w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
+         o_ref, s_ref),
+        (w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, v_halves, o_s),
+        (arrived, consumed, values_arrived),
+        n_chunks=n_chunks, o_products=o_products, multicast=multicast,
+    )
+    p.fetch(0, 0)
+    if p.early_values:
+        p.fetch_values(0, 0, p.u_pairs, values_arrived.at[0])
+        p.fetch_values(0, 0, p.au_pairs, values_arrived.at[1])
+    s = lax.fori_loop(0, n_chunks, functools.partial(_chain_step, p), load(s0_ref.at[p.b, p.h, :, p.cols], optimized=False))
+    s_ref.at[p.b, p.h, :, p.cols][...] = s
     plgpu.wait_smem_to_gmem(0)
 
 

@@ -50,6 +50,7 @@ approximate exp and numpy's land on opposite sides of a tf32 rounding do the ope
 (on the H200: intra outputs within 3e-3 of the interpreter's, the scan's errors as the interpreter's).
 """
 
+import functools
 import math
 
 import jax
@@ -162,6 +163,227 @@ def _unit_lower_inverse(a, a_pair, t_pair, c_pair, rows_s):
     return lax.fori_loop(first, int(math.log2(CHUNK)), merge, _diagonal_block_inverses(a, rows_s))
 
 
+class _Chunk:
+    """What every phase of one program (one chunk of one head of one sequence) shares: its position,
+    its channel blocks, the inputs and outputs in HBM, and k, G and beta in SMEM."""
+
+    def __init__(self, refs, k_s, cum_s, beta_s):
+        (self.lengths_ref, self.q_ref, self.k_ref, self.v_ref, self.g_ref, self.beta_ref, self.w_ref, self.u_hi_ref,
+         self.u_lo_ref, self.qw_refs, self.au_hi_ref, self.au_lo_ref, self.kd_hi_ref, self.kd_lo_ref, self.decay_ref) = refs
+        self.k_s, self.cum_s, self.beta_s = k_s, cum_s, beta_s
+        self.n, self.h, self.b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
+        self.dk = k_s.shape[1]
+        self.blocks = [pl.ds(j * BLOCK_K, BLOCK_K) for j in range(self.dk // BLOCK_K)]
+        self.tokens = pl.ds(self.n * CHUNK, CHUNK)
+        self.square = (CHUNK, CHUNK)
+        self.r, self.cl = _iota(self.square, 0), _iota(self.square, 1)
+
+    def block_loop(self, body):
+        """body(j, cols) over the channel blocks as a loop, not unrolled: code size."""
+        pl.loop(0, len(self.blocks))(lambda j: body(j, pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)))
+
+    def rows_of(self, x):
+        return lax.broadcast_in_dim(x, self.square, [0])
+
+    def cols_of(self, x):
+        return lax.broadcast_in_dim(x, self.square, [1])
+
+    def cum(self, cols):
+        return load(self.cum_s.at[:, cols])
+
+    def k(self, cols, scale):
+        """L2-normalised k times a per-row scale."""
+        return load(self.k_s.at[:, cols]).astype(_F32) * self.rows_of(scale)
+
+
+def _gate_sums(p, ones_s, pieces, marks_s, decay_s):
+    """G in place of g in `cum_s`: tril(1) g, g masked past the sequence's length and split into three
+    bf16 pieces that sum to it exactly, so that each product is exact and only the fp32 sums round. G
+    at tokens 15, 31, 47 and 63 into `marks_s`; exp(G_last) out (the chain's decay)."""
+    r, cl, square = p.r, p.cl, p.square
+    ones_s[...] = jnp.where(cl <= r, 1.0, 0.0).astype(_BF16)
+    valid = p.lengths_ref[p.b] - p.n * CHUNK  # tokens at or past a sequence's length do not decay
+
+    @p.block_loop
+    def _(j, cols):
+        rest = jnp.where(r < valid, p.cum(cols), 0.0)
+        for piece in pieces:  # hi, mid, lo: 8 significant bits each, fp32's 24 in all
+            part = rest.astype(_BF16)
+            piece[...] = part
+            rest = rest - part.astype(_F32)
+        plgpu.commit_smem()  # the pieces are in; every warp has read g's block
+        p.cum_s.at[:, cols][...] = matmul(square, [(ones_s, piece) for piece in pieces])
+        # The marks from G's transpose, channels as rows: a row's own lanes hold its tokens, so
+        # picking a token takes no exchange between warps (a column of G would: 2 barriers each).
+        sums_t = matmul(square, [(piece.T, ones_s.T) for piece in pieces])
+        for i in range(_MARKS):
+            mark = jnp.sum(jnp.where(cl == _MARK * i + _MARK - 1, sums_t, 0.0), axis=1)
+            marks_s.at[i, cols][...] = mark
+        decay_s.at[cols][...] = jnp.exp(mark)
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(decay_s, p.decay_ref.at[p.b, p.h, p.n])
+
+
+def _scores(p, q_s, score_operands, marks_s, q_scale, k_scale, beta):
+    """A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), fp32 [C, C].
+
+    exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, in two passes (a loop, to keep the
+    code small) with different references. Pass 0: the middle of each 32-token diagonal block, G at
+    tokens 15 and 47 plus MIN_GATE / 2, which centres the factors' exponents (-80..75 about the
+    token) on -77.5..77.5: fp32 and tf32 operands stay normal numbers for components down to 1e-4
+    (at -80 a GPU or CPU that flushes subnormals loses 2.5e-3 of o). Pass 1: G at token 31, between
+    the later queries and the earlier keys of the lower-left quadrant (both factors <= 1). An entry a
+    pass does not keep may be inf (up to exp(155)) or NaN (0 x inf past a sequence's end); it is its
+    own row of the left operand times its own row of the keys, and `where` drops it."""
+    r, cl, square = p.r, p.cl, p.square
+    key_s, left_s = score_operands
+    diagonal = (r >= HALF) == (cl >= HALF)
+    lower_left = (r >= HALF) & (cl < HALF)
+    keys = key_s.T  # key rows as the right operand's columns
+
+    def q(cols):  # L2-normalised, scaled by dk^-0.5
+        return load(q_s.at[:, cols]).astype(_F32) * p.rows_of(q_scale)
+
+    def reference(i, cols):
+        """G_ref of pass i for each row, [C, 64]."""
+        upper = _at_mark(p, marks_s, _mark_of(jnp.where(i == 0, HALF // 2 - 1, HALF - 1)), cols)  # token 15 / 31
+        lower = _at_mark(p, marks_s, _mark_of(jnp.where(i == 0, HALF + HALF // 2 - 1, HALF - 1)), cols)  # token 47 / 31
+        return jnp.where(r >= HALF, lower, upper) + jnp.where(i == 0, MIN_GATE / 2, 0.0)
+
+    def score_pass(i, carry):
+        a_qk, a_kk = carry
+
+        def products(acc_qk, acc_kk):
+            @p.block_loop
+            def _(j, cols):  # the operands are rewritten per block, once the products have read them
+                exponent = p.cum(cols) - reference(i, cols)
+                _store_tf32(p.k(cols, k_scale) * jnp.exp(-exponent), key_s)
+                query_factor = jnp.exp(exponent)
+                for acc, left in ((acc_qk, q(cols)), (acc_kk, p.k(cols, k_scale * beta))):
+                    _store_tf32(left * query_factor, left_s)
+                    plgpu.wgmma(acc, left_s, keys)
+                    plgpu.wgmma_wait(0)
+
+            return acc_qk[...], acc_kk[...]
+
+        qk, kk = pl.run_scoped(products, plgpu.ACC(square, _F32), plgpu.ACC(square, _F32))
+        kept = jnp.where(i == 0, diagonal, lower_left)
+        return a_qk + jnp.where(kept & (cl <= r), qk, 0.0), a_kk + jnp.where(kept & (cl < r), kk, 0.0)
+
+    zeros = plgpu.layout_cast(jnp.zeros(square, _F32), WGMMA)
+    return lax.fori_loop(0, 2, score_pass, (zeros, zeros))
+
+
+def _at_mark(p, marks_s, i, cols):
+    """G at token 16 i + 15, one value per column."""
+    return p.cols_of(load(marks_s.at[i, cols], COL, optimized=False))
+
+
+def _scores_and_kd(p, q_s, operands, marks_s, decay_s):
+    """q, k, g and beta in; G; the rows' norms; A_qk and A_kk; k exp(G_last - G) out. `operands` holds
+    the gate sums' operands, then the scores' fp32 key and left operands, then the (hi, lo) pairs of
+    k exp(G_last - G) on their way out. Returns (A_qk, A_kk, q's and k's inverse norms)."""
+    score_operands, (key_pair, left_pair), (ones_s, *pieces) = operands
+    b, h, tokens = p.b, p.h, p.tokens
+    with jax.named_scope("load"):
+        plgpu.copy_gmem_to_smem(p.q_ref.at[b, tokens, h], q_s, p.loaded)
+        for src, dst in ((p.k_ref, p.k_s), (p.g_ref, p.cum_s)):
+            plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, p.loaded)
+        plgpu.copy_gmem_to_smem(p.beta_ref.at[b, h, tokens], p.beta_s, p.loaded)
+        plgpu.barrier_wait(p.loaded)
+    with jax.named_scope("gate_sums"):
+        _gate_sums(p, ones_s, pieces, marks_s, decay_s)
+
+    with jax.named_scope("norms"):
+
+        def inverse_norm(ref, scale):
+            squares = sum(jnp.sum(load(ref.at[:, cols]).astype(_F32) ** 2, axis=1) for cols in p.blocks)
+            return scale / jnp.sqrt(squares + L2_EPS)
+
+        q_scale, k_scale = inverse_norm(q_s, p.dk**-0.5), inverse_norm(p.k_s, 1.0)
+        beta = load(p.beta_s, ROW)  # zero past the sequence's length
+    with jax.named_scope("scores"):
+        a_qk, a_kk = _scores(p, q_s, score_operands, marks_s, q_scale, k_scale, beta)
+
+    with jax.named_scope("k_decayed_out"):  # k exp(G_last - G) as bf16 halves (the chain's left operand)
+        for cols, pair in zip(p.blocks, (key_pair, left_pair)):
+            _store_split(p.k(cols, k_scale) * jnp.exp(_at_mark(p, marks_s, _MARKS - 1, cols) - p.cum(cols)), pair)
+            plgpu.copy_smem_to_gmem(pair[0], p.kd_hi_ref.at[b, h, tokens, cols])
+            plgpu.copy_smem_to_gmem(pair[1], p.kd_lo_ref.at[b, h, tokens, cols])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the scope's SMEM is reused
+    return a_qk, a_kk, q_scale, k_scale
+
+
+def _wy_products(p, a_qk, a_kk, q_scale, k_scale, v_s, halves_hi, halves_lo, rows_s):
+    """w = T_b (k exp(G)), u = T_b v, A_qk u and q_w = q exp(G) - A_qk w, T_b = T diag(beta); v
+    arrives while w is computed. `halves_hi` and `halves_lo` hold two (hi, lo) pairs of [64, 64]
+    operands: pair 0 and pair 1 serve the inverse and T_b, then carry channel block j's outputs;
+    v's buffers hold A_kk's halves for the inverse."""
+    c, b, h, tokens = CHUNK, p.b, p.h, p.tokens
+
+    def pair(j):
+        return halves_hi.at[j], halves_lo.at[j]
+
+    def send(j, cols, value, *refs):  # block j's output through pair j: (hi, lo) halves, or hi alone
+        if len(refs) == 2:
+            _store_split(value, pair(j))
+        else:
+            halves_hi.at[j][...] = value.astype(_BF16)
+            plgpu.commit_smem()
+        for half, ref in zip((halves_hi.at[j], halves_lo.at[j]), refs):
+            plgpu.copy_smem_to_gmem(half, ref.at[b, h, tokens, cols])
+
+    pair_a, pair_b = pair(0), pair(1)
+    with jax.named_scope("inverse"):
+        t = _unit_lower_inverse(a_kk, (v_s.at[0], v_s.at[1]), pair_a, pair_b, rows_s) * p.cols_of(load(p.beta_s, COL))
+        _store_split(t, pair_b)  # T_b: the left operand of w and u; every warp is past the inverse
+    for j, cols in enumerate(p.blocks):
+        plgpu.copy_gmem_to_smem(p.v_ref.at[b, tokens, h, cols], v_s.at[j], p.v_loaded)
+
+    with jax.named_scope("w"):
+
+        @p.block_loop
+        def _(j, cols):  # k's block is read into pair_a before w's block takes its place
+            _store_split(p.k(cols, k_scale) * jnp.exp(p.cum(cols)), pair_a)
+            p.k_s.at[:, cols][...] = _precise((c, BLOCK_K), pair_b, pair_a).astype(_BF16)
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(p.k_s, p.w_ref.at[b, h, tokens])
+    plgpu.barrier_wait(p.v_loaded)
+
+    with jax.named_scope("u"):
+
+        @p.block_loop
+        def _(j, cols):  # T_b is read before pair 1 takes u's last block
+            send(j, cols, matmul((c, BLOCK_K), [(pair_b[0], v_s.at[j]), (pair_b[1], v_s.at[j])]), p.u_hi_ref, p.u_lo_ref)
+
+    a_pair = (v_s.at[0], v_s.at[1])  # v has been read: its buffers take A_qk's halves
+    with jax.named_scope("a_qk_u"):
+        _store_split(a_qk, a_pair)
+
+        @p.block_loop
+        def _(j, cols):
+            au = _precise((c, BLOCK_K), a_pair, pair(j))  # A_qk u from u's halves on their way out
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # u's halves are read
+            send(j, cols, au, p.au_hi_ref, p.au_lo_ref)
+
+    with jax.named_scope("q_w"):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # A_qk u's halves are read: q comes back
+        for j, cols in enumerate(p.blocks):
+            plgpu.copy_gmem_to_smem(p.q_ref.at[b, tokens, h, cols], halves_lo.at[j], p.q_loaded)
+        plgpu.barrier_wait(p.q_loaded)
+
+        @p.block_loop
+        def _(j, cols):  # q_w's halves take the place of q's block, once it is in registers
+            a_w = matmul((c, BLOCK_K), [(a_pair[0], p.k_s.at[:, cols]), (a_pair[1], p.k_s.at[:, cols])])
+            q_exp = load(halves_lo.at[j]).astype(_F32) * p.rows_of(q_scale) * jnp.exp(p.cum(cols))
+            plgpu.commit_smem()  # every warp has read q's block before q_w's halves overwrite it
+            send(j, cols, q_exp - a_w, *p.qw_refs)  # the chain's left operand
+
+        plgpu.wait_smem_to_gmem(0)
+
+
 def _intra_kernel(
     lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
     w_ref, u_hi_ref, u_lo_ref, qw_refs, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref,
@@ -171,209 +393,33 @@ def _intra_kernel(
     beta stay in SMEM throughout; the rest is scoped per phase (the score passes, then the inverse and
     the WY products), 103 KB at dk = 128, so that two CTAs share an SM. Tiles are read back from SMEM
     where they are needed rather than kept in registers."""
-    c = CHUNK
-    n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
-    dk = k_s.shape[1]
-    blocks = [pl.ds(j * BLOCK_K, BLOCK_K) for j in range(dk // BLOCK_K)]
-
-    def block_loop(body):  # body(j, cols) over the channel blocks as a loop, not unrolled: code size
-        pl.loop(0, len(blocks))(lambda j: body(j, pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)))
-
-    tokens = pl.ds(n * c, c)
-    square = (c, c)
-
-    def rows_of(x):
-        return lax.broadcast_in_dim(x, square, [0])
-
-    def cols_of(x):
-        return lax.broadcast_in_dim(x, square, [1])
-
-    def cum(cols):
-        return load(cum_s.at[:, cols])
-
-    def k(cols, scale):  # L2-normalised k times a per-row scale
-        return load(k_s.at[:, cols]).astype(_F32) * rows_of(scale)
-
-    r, cl = _iota(square, 0), _iota(square, 1)
-
-    def gate_sums(ones_s, pieces, marks_s, decay_s):
-        """G in place of g in `cum_s`: tril(1) g, g masked past the sequence's length and split into
-        three bf16 pieces that sum to it exactly, so that each product is exact and only the fp32 sums
-        round. G at tokens 15, 31, 47 and 63 into `marks_s`; exp(G_last) out (the chain's decay)."""
-        ones_s[...] = jnp.where(cl <= r, 1.0, 0.0).astype(_BF16)
-        valid = lengths_ref[b] - n * c  # tokens at or past a sequence's length do not decay
-
-        @block_loop
-        def _(j, cols):
-            rest = jnp.where(r < valid, cum(cols), 0.0)
-            for piece in pieces:  # hi, mid, lo: 8 significant bits each, fp32's 24 in all
-                part = rest.astype(_BF16)
-                piece[...] = part
-                rest = rest - part.astype(_F32)
-            plgpu.commit_smem()  # the pieces are in; every warp has read g's block
-            cum_s.at[:, cols][...] = matmul(square, [(ones_s, piece) for piece in pieces])
-            # The marks from G's transpose, channels as rows: a row's own lanes hold its tokens, so
-            # picking a token takes no exchange between warps (a column of G would: 2 barriers each).
-            sums_t = matmul(square, [(piece.T, ones_s.T) for piece in pieces])
-            for i in range(_MARKS):
-                mark = jnp.sum(jnp.where(cl == _MARK * i + _MARK - 1, sums_t, 0.0), axis=1)
-                marks_s.at[i, cols][...] = mark
-            decay_s.at[cols][...] = jnp.exp(mark)
-
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(decay_s, decay_ref.at[b, h, n])
-
-    def scores_and_kd(q_s, operands, marks_s, decay_s):
-        """G; A_qk and A_kk, k exp(G_last - G) out; the rows' norms. `operands` holds the gate sums'
-        operands, then the scores' fp32 key and left operands, then the (hi, lo) pairs of
-        k exp(G_last - G) on their way out."""
-        (key_s, left_s), (key_pair, left_pair), (ones_s, *pieces) = operands
-        plgpu.copy_gmem_to_smem(q_ref.at[b, tokens, h], q_s, loaded)
-        for src, dst in ((k_ref, k_s), (g_ref, cum_s)):
-            plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst, loaded)
-        plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tokens], beta_s, loaded)
-        plgpu.barrier_wait(loaded)
-        gate_sums(ones_s, pieces, marks_s, decay_s)
-
-        def at_mark(i, cols):  # G at token 16 i + 15, one value per column
-            return cols_of(load(marks_s.at[i, cols], COL, optimized=False))
-
-        def inverse_norm(ref, scale):
-            squares = sum(jnp.sum(load(ref.at[:, cols]).astype(_F32) ** 2, axis=1) for cols in blocks)
-            return scale / jnp.sqrt(squares + L2_EPS)
-
-        q_scale, k_scale = inverse_norm(q_s, dk**-0.5), inverse_norm(k_s, 1.0)
-        beta = load(beta_s, ROW)  # zero past the sequence's length
-
-        def q(cols):  # L2-normalised, scaled by dk^-0.5
-            return load(q_s.at[:, cols]).astype(_F32) * rows_of(q_scale)
-
-        # Scores: exp(G_i - G_j) = exp(G_i - G_ref) exp(G_ref - G_j) per channel, in two passes (a loop,
-        # to keep the code small) with different references. Pass 0: the middle of each 32-token
-        # diagonal block, G at tokens 15 and 47 plus MIN_GATE / 2, which centres the factors' exponents
-        # (-80..75 about the token) on -77.5..77.5: fp32 and tf32 operands stay normal numbers for
-        # components down to 1e-4 (at -80 a GPU or CPU that flushes subnormals lost 2.5e-3 of o).
-        # Pass 1: G at token 31, between the later queries and the earlier keys of the lower-left
-        # quadrant (both factors <= 1). An entry a pass does not keep may be inf (up to exp(155)) or
-        # NaN (0 x inf past a sequence's end); it is its own row of the left operand times its own
-        # row of the keys, and `where` drops it.
-        diagonal = (r >= HALF) == (cl >= HALF)
-        lower_left = (r >= HALF) & (cl < HALF)
-        keys = key_s.T  # key rows as the right operand's columns
-
-        def reference(i, cols):
-            """G_ref of pass i for each row, [C, 64]."""
-            upper = at_mark(_mark_of(jnp.where(i == 0, HALF // 2 - 1, HALF - 1)), cols)  # token 15 / 31
-            lower = at_mark(_mark_of(jnp.where(i == 0, HALF + HALF // 2 - 1, HALF - 1)), cols)  # token 47 / 31
-            return jnp.where(r >= HALF, lower, upper) + jnp.where(i == 0, MIN_GATE / 2, 0.0)
-
-        def score_pass(i, carry):
-            a_qk, a_kk = carry
-
-            def products(acc_qk, acc_kk):
-                @block_loop
-                def _(j, cols):  # the operands are rewritten per block, once the products have read them
-                    exponent = cum(cols) - reference(i, cols)
-                    _store_tf32(k(cols, k_scale) * jnp.exp(-exponent), key_s)
-                    query_factor = jnp.exp(exponent)
-                    for acc, left in ((acc_qk, q(cols)), (acc_kk, k(cols, k_scale * beta))):
-                        _store_tf32(left * query_factor, left_s)
-                        plgpu.wgmma(acc, left_s, keys)
-                        plgpu.wgmma_wait(0)
-
-                return acc_qk[...], acc_kk[...]
-
-            qk, kk = pl.run_scoped(products, plgpu.ACC(square, _F32), plgpu.ACC(square, _F32))
-            kept = jnp.where(i == 0, diagonal, lower_left)
-            return a_qk + jnp.where(kept & (cl <= r), qk, 0.0), a_kk + jnp.where(kept & (cl < r), kk, 0.0)
-
-        zeros = plgpu.layout_cast(jnp.zeros(square, _F32), WGMMA)
-        a_qk, a_kk = lax.fori_loop(0, 2, score_pass, (zeros, zeros))
-
-        # k exp(G_last - G) out, as bf16 halves (the chain's left operand), one block per pair.
-        for cols, pair in zip(blocks, (key_pair, left_pair)):
-            _store_split(k(cols, k_scale) * jnp.exp(at_mark(_MARKS - 1, cols) - cum(cols)), pair)
-            plgpu.copy_smem_to_gmem(pair[0], kd_hi_ref.at[b, h, tokens, cols])
-            plgpu.copy_smem_to_gmem(pair[1], kd_lo_ref.at[b, h, tokens, cols])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the scope's SMEM is reused
-        return a_qk, a_kk, q_scale, k_scale
+    refs = (lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_hi_ref, u_lo_ref, qw_refs, au_hi_ref, au_lo_ref,
+            kd_hi_ref, kd_lo_ref, decay_ref)
+    p = _Chunk(refs, k_s, cum_s, beta_s)
+    p.loaded, p.v_loaded, p.q_loaded = loaded, v_loaded, q_loaded
+    c, dk, square = CHUNK, p.dk, p.square
 
     def pair_smem():
         return operand_smem(square), operand_smem(square)
 
     # Unswizzled buffers after the swizzled ones: on the H200 one placed before the swizzled operands
-    # gave wrong products in rows 8-15 of every 16 (bench/RESULTS.md, the probes of commit 8556005).
+    # gave wrong products in rows 8-15 of every 16 (bench/RESULTS.md).
     score_operands = (operand_smem(square, _F32), operand_smem(square, _F32))
     sum_operands = tuple(operand_smem(square) for _ in range(4))  # tril(1) and g's three pieces
-    a_qk, a_kk, q_scale, k_scale = pl.run_scoped(
-        scores_and_kd,
-        operand_smem((c, dk)),
-        plgpu.RefUnion(score_operands, (pair_smem(), pair_smem()), sum_operands),
-        plgpu.SMEM((_MARKS, dk), _F32),
-        plgpu.SMEM((dk,), _F32),
-    )
-
-    def wy_products(v_s, halves_hi, halves_lo, rows_s):
-        """w = T_b (k exp(G)), u = T_b v, A_qk u and q_w = q exp(G) - A_qk w, T_b = T diag(beta); v
-        arrives while w is computed. `halves_hi` and `halves_lo` hold two (hi, lo) pairs of [64, 64]
-        operands: pair 0 and pair 1 serve the inverse and T_b, then carry channel block j's outputs;
-        v's buffers hold A_kk's halves for the inverse."""
-        pair = lambda j: (halves_hi.at[j], halves_lo.at[j])  # noqa: E731
-        pair_a, pair_b = pair(0), pair(1)
-        t = _unit_lower_inverse(a_kk, (v_s.at[0], v_s.at[1]), pair_a, pair_b, rows_s) * cols_of(load(beta_s, COL))
-        _store_split(t, pair_b)  # T_b: the left operand of w and u; every warp is past the inverse
-        for j, cols in enumerate(blocks):
-            plgpu.copy_gmem_to_smem(v_ref.at[b, tokens, h, cols], v_s.at[j], v_loaded)
-
-        def send(j, cols, value, *refs):  # block j's output through pair j: (hi, lo) halves, or hi alone
-            if len(refs) == 2:
-                _store_split(value, pair(j))
-            else:
-                halves_hi.at[j][...] = value.astype(_BF16)
-                plgpu.commit_smem()
-            for half, ref in zip((halves_hi.at[j], halves_lo.at[j]), refs):
-                plgpu.copy_smem_to_gmem(half, ref.at[b, h, tokens, cols])
-
-        @block_loop
-        def _(j, cols):  # k's block is read into pair_a before w's block takes its place
-            _store_split(k(cols, k_scale) * jnp.exp(cum(cols)), pair_a)
-            k_s.at[:, cols][...] = _precise((c, BLOCK_K), pair_b, pair_a).astype(_BF16)
-
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_s, w_ref.at[b, h, tokens])
-        plgpu.barrier_wait(v_loaded)
-
-        @block_loop
-        def _(j, cols):  # T_b is read before pair 1 takes u's last block
-            send(j, cols, matmul((c, BLOCK_K), [(pair_b[0], v_s.at[j]), (pair_b[1], v_s.at[j])]), u_hi_ref, u_lo_ref)
-
-        a_pair = (v_s.at[0], v_s.at[1])  # v has been read: its buffers take A_qk's halves
-        _store_split(a_qk, a_pair)
-
-        @block_loop
-        def _(j, cols):
-            au = _precise((c, BLOCK_K), a_pair, pair(j))  # A_qk u from u's halves on their way out
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # u's halves are read
-            send(j, cols, au, au_hi_ref, au_lo_ref)
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # A_qk u's halves are read: q comes back
-        for j, cols in enumerate(blocks):
-            plgpu.copy_gmem_to_smem(q_ref.at[b, tokens, h, cols], halves_lo.at[j], q_loaded)
-        plgpu.barrier_wait(q_loaded)
-
-        @block_loop
-        def _(j, cols):  # q_w's halves take the place of q's block, once it is in registers
-            a_w = matmul((c, BLOCK_K), [(a_pair[0], k_s.at[:, cols]), (a_pair[1], k_s.at[:, cols])])
-            q_exp = load(halves_lo.at[j]).astype(_F32) * rows_of(q_scale) * jnp.exp(cum(cols))
-            plgpu.commit_smem()  # every warp has read q's block before q_w's halves overwrite it
-            send(j, cols, q_exp - a_w, *qw_refs)  # the chain's left operand
-
-        plgpu.wait_smem_to_gmem(0)
-
+    with jax.named_scope("kda_intra_scores"):
+        a_qk, a_kk, q_scale, k_scale = pl.run_scoped(
+            functools.partial(_scores_and_kd, p),
+            operand_smem((c, dk)),
+            plgpu.RefUnion(score_operands, (pair_smem(), pair_smem()), sum_operands),
+            plgpu.SMEM((_MARKS, dk), _F32),
+            plgpu.SMEM((dk,), _F32),
+        )
     halves = (2, c, c)
-    pl.run_scoped(
-        wy_products, operand_smem(halves), operand_smem(halves), operand_smem(halves), plgpu.SMEM((c, _SUB_BLOCK), _F32)
-    )
+    with jax.named_scope("kda_intra_wy"):
+        pl.run_scoped(
+            functools.partial(_wy_products, p, a_qk, a_kk, q_scale, k_scale),
+            operand_smem(halves), operand_smem(halves), operand_smem(halves), plgpu.SMEM((c, _SUB_BLOCK), _F32),
+        )
 
 
 def intra(q, k, v, g, beta, lengths, *, qw_lo=True, interpret=False):

@@ -83,17 +83,19 @@ def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: Gem
                     @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, wg_cols), jnp.float32))
                     def _(acc):
                         run_pipeline(acc)
-                        # The previous tile's store from this buffer must be done reading it.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = acc[...].astype(out_smem.dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg], o_ref.at[rows, pl.ds(col_block * bn + wg * wg_cols, wg_cols)]
-                        )
+                        with jax.named_scope("store"):
+                            # The previous tile's store from this buffer must be done reading it.
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            out_smem[wg] = acc[...].astype(out_smem.dtype)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg], o_ref.at[rows, pl.ds(col_block * bn + wg * wg_cols, wg_cols)]
+                            )
 
                 def multiply(_, x_smem, w_smem, acc):
-                    plgpu.wgmma(acc, x_smem, w_smem.at[:, pl.ds(wg * wg_cols, wg_cols)])
-                    plgpu.wgmma_wait(0)
+                    with jax.named_scope("multiply"):
+                        plgpu.wgmma(acc, x_smem, w_smem.at[:, pl.ds(wg * wg_cols, wg_cols)])
+                        plgpu.wgmma_wait(0)
                     return acc
 
                 pipeline(multiply, context)(

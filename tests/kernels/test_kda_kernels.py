@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import relative_error, traced_kernels
+from kernel_case import KernelCase
 
 from pallas_kernels import kda
 from pallas_kernels.kda import decode_fused_triton, decode_update_mosaic, prefill_chain_mosaic, prefill_intra_mosaic
@@ -420,3 +421,67 @@ def test_bad_arguments_raise_before_any_launch():
         kda.kda_decode_step(**width_3, lower_bound=-5.0, implementation="pallas")
     got = kda.kda_decode_step(**width_3, lower_bound=-5.0)  # on the CPU: the reference, which takes any K
     np.testing.assert_array_equal(got[2], kda.kda_decode_step_reference(**width_3, lower_bound=-5.0)[2])
+
+
+class TestChunkScan(KernelCase):
+    """The chunked scan (intra, then chain) through `kda_chunk_scan`: one token; ragged sequences
+    across chunk edges with an initial state; head dim 128 at the gates' lower bound."""
+
+    cases = {
+        "one token": dict(b=1, t=1, h=1, d=64),
+        "ragged over chunk edges": dict(b=3, t=130, h=2, d=64, lengths=(130, 1, 64), state=True),
+        "head dim 128, gates at the bound": dict(b=1, t=65, h=1, d=128, gate="lower_bound", state=True),
+    }
+    kernels = SCAN_KERNELS
+    tolerance = TOLERANCE
+    lowering_cases = {
+        "the model's prefill": (dict(b=1, t=16384, h=16, d=128), ["mosaic_gpu_v2"] * 2),
+        "over one wave": (dict(b=2, t=130, h=80, d=64), ["mosaic_gpu_v2"] * 2),
+    }
+
+    def inputs(self, key, b, t, h, d, lengths=None, state=False, gate="random"):
+        q, k, v, g, beta = scan_inputs(int(jax.random.randint(key, (), 0, 2**30)), b, t, h, d, gate=gate)
+        s0 = jax.random.normal(jax.random.fold_in(key, 1), (b, h, d, d)) if state else None
+        return (q, k, v, g, beta, s0), dict(lengths=None if lengths is None else jnp.array(lengths, jnp.int32))
+
+    def kernel(self, *args, interpret=True, **kwargs):
+        return kda.kda_chunk_scan(*args, implementation="pallas", interpret=interpret, **kwargs)
+
+    def reference(self, *args, **kwargs):
+        return kda.kda_chunk_scan_reference(*args, **kwargs)
+
+    def compare(self, got, want, b, t, lengths=None, **_):
+        valid = np.ones((b, t), bool) if lengths is None else np.arange(t)[None, :] < np.array(lengths)[:, None]
+        assert relative_error(got[0][valid], want[0][valid]) < TOLERANCE
+        assert relative_error(got[1], want[1]) < TOLERANCE
+
+    def lowering_args(self, b, t, h, d):
+        q, k, v, g, beta, s0, _ = prefill_chain_mosaic.scan_arg_shapes(b, t, h, d)
+        return (q, k, v, g, beta, s0), {}
+
+
+class TestDecodeStep(KernelCase):
+    """The decode step through `kda_decode_step`: the fused Triton step at small states, the two
+    kernels (Triton token vectors, Mosaic GPU update) at 64 MiB of state and head dim 128."""
+
+    cases = {"head dim 16, one sequence": dict(b=1, h=1, d=16), "head dim 64": dict(b=3, h=2, d=64)}
+    kernels = FUSED_DECODE_KERNELS
+    tolerance = TOLERANCE
+    lowering_cases = {
+        "batch 8 (fused)": (dict(b=8, h=64, d=128), ["__gpu$xla.gpu.triton"]),
+        "batch 16 (two kernels)": (dict(b=16, h=64, d=128), ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]),
+    }
+
+    def inputs(self, key, b, h, d):
+        return (), dict(kda.random_decode_inputs(key, b, h, d), lower_bound=-5.0)
+
+    def kernel(self, *args, interpret=True, **kwargs):
+        return kda.kda_decode_step(*args, implementation="pallas", interpret=interpret, **kwargs)
+
+    def reference(self, *args, **kwargs):
+        return kda.kda_decode_step_reference(*args, **kwargs)
+
+    def lowering_args(self, b, h, d):
+        names = ("qkv", "conv_state", "conv_weight", "f", "dt_bias", "a_log", "beta_logits", "state")
+        shapes = jax.eval_shape(lambda: kda.random_decode_inputs(jax.random.key(0), b, h, d))
+        return tuple(shapes[n] for n in names), dict(lower_bound=-5.0)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import traced_kernels
+from kernel_case import KernelCase
 
 from pallas_kernels import latent_attention as la
 from pallas_kernels.select_tokens import select_tokens_reference
@@ -191,3 +192,60 @@ def test_paged_cache(latent_dtype):
     assert relative_error(got, exact) < TOLERANCE
     assert relative_error(want, exact) < ROUNDING
     assert relative_error(want, la.sparse_latent_attention_reference(q, sequences, in_range, scale=r**-0.5)) < 1e-6
+
+
+class TestSparseLatentAttention(KernelCase):
+    """Through `sparse_latent_attention`: one query with 64 heads over an fp8 paged cache whose
+    selection is narrower than a block; ragged and empty selections of a few queries, repeats
+    among them, split across programs."""
+
+    cases = {
+        "one query, 64 heads, fp8 pages": dict(b=2, t=1, h=64, r=64, s=96, w=40, fp8=True),
+        "ragged, empty and repeated rows, 2 splits": dict(b=2, t=3, h=4, r=128, s=80, w=70, splits=2),
+    }
+    kernels = {"sparse_latent_attention": 1}
+    tolerance = TOLERANCE
+    lowering_cases = {
+        "prefill of 4096": (dict(b=1, t=4096, s=4096, fp8=False), ["__gpu$xla.gpu.triton"]),
+        "decode over fp8 pages": (dict(b=8, t=1, s=32768, fp8=True), ["__gpu$xla.gpu.triton"]),
+    }
+
+    def inputs(self, key, b, t, h, r, s, w, fp8=False, splits=None):
+        seed = int(jax.random.randint(key, (), 0, 2**30))
+        q, latents, indices = random_case(seed, b, t, h, r, s, w, repeats=True)
+        kwargs = dict(scale=r**-0.5, config=la.KernelConfig(splits=splits))
+        if not fp8:
+            return (q, latents, indices), kwargs
+        page_size = 16  # pages of each sequence in a shuffled pool
+        pages = np.random.default_rng(seed).permutation(b * s // page_size).reshape(b, -1)
+        values = np.asarray(latents, np.float32).reshape(b * s // page_size, page_size, r)
+        scales = np.abs(values).max(-1) / 448.0
+        stored = np.empty_like(values)
+        stored[pages.reshape(-1)] = values / scales[..., None]
+        pooled_scales = np.empty_like(scales)
+        pooled_scales[pages.reshape(-1)] = scales
+        kwargs.update(page_table=jnp.asarray(pages, jnp.int32), latent_scales=jnp.asarray(pooled_scales))
+        return (q, jnp.asarray(stored, jnp.float8_e4m3fn), indices), kwargs
+
+    def kernel(self, q, latents, indices, latent_scales=None, page_table=None, *, interpret=True, **kwargs):
+        return la.sparse_latent_attention(
+            q, latents, indices, latent_scales=latent_scales, page_table=page_table, implementation="pallas",
+            interpret=interpret, **kwargs,
+        )
+
+    def reference(self, *args, config=None, **kwargs):
+        return la.sparse_latent_attention_reference(*args, **kwargs)
+
+    def compare(self, got, want, **_):
+        # The reference rounds its fp32 output to bf16: within half an ulp of the exact value.
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert relative_error(got, want) < TOLERANCE + ROUNDING
+
+    def lowering_args(self, b, t, s, fp8):
+        sds = jax.ShapeDtypeStruct
+        q, indices = sds((b, t, 64, 512), jnp.bfloat16), sds((b, t, 2051), jnp.int32)
+        if not fp8:
+            return (q, sds((b, s, 512), jnp.bfloat16), indices), dict(scale=1 / 16)
+        pages = s // 64
+        latents, scales = sds((b * pages, 64, 512), jnp.float8_e4m3fn), sds((b * pages, 64), jnp.float32)
+        return (q, latents, indices, scales, sds((b, pages), jnp.int32)), dict(scale=1 / 16)

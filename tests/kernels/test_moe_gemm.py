@@ -11,6 +11,7 @@ import pytest
 from conftest import relative_error, traced_kernels
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's findings
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from kernel_case import KernelCase
 
 from glm5next_jax.config import Config
 from glm5next_jax.layers import mlp
@@ -208,3 +209,40 @@ def test_bad_arguments_are_named():
         moe_gemm.grouped_matmul(
             *args, implementation="pallas", config=moe_gemm.GemmConfig(block_rows=128, block_cols=128)
         )
+
+
+class TestGroupedMatmul(KernelCase):
+    """Through `grouped_matmul`: empty experts, one row, ragged tails, 64- and 128-row tiles, more
+    items than CTAs; the rows of used tiles."""
+
+    cases = {
+        "64-row tiles, empty and one-row experts": dict(sizes=(100, 0, 1, 64, 135), k=128, n=256, block_rows=64),
+        "128-row tiles, two column blocks": dict(sizes=(40, 90, 7, 0, 128, 300), k=128, n=512, block_rows=128),
+    }
+    kernels = {"moe_grouped_matmul": 1}
+    tolerance = TOLERANCE
+    lowering_cases = {
+        "prefill's gate_up": (dict(rows=65536, block_rows=128, k=4096, n=4096), ["mosaic_gpu_v2"]),
+        "decode's down": (dict(rows=64, block_rows=64, k=2048, n=4096), ["mosaic_gpu_v2"]),
+    }
+
+    def inputs(self, key, sizes, k, n, block_rows):
+        _, w, tiles, x_tiled = tiled_operands(int(jax.random.randint(key, (), 0, 2**30)), list(sizes), k, n, block_rows)
+        return (x_tiled, w, tiles.tile_experts, tiles.used_tiles), dict(config=moe_gemm.GemmConfig(block_rows=block_rows))
+
+    def kernel(self, *args, interpret=True, config=None):
+        return moe_gemm.grouped_matmul(*args, implementation="pallas", config=config, interpret=interpret)
+
+    def reference(self, *args, config=None):
+        return moe_gemm.grouped_matmul_reference(*args)
+
+    def compare(self, got, want, sizes, block_rows, **_):
+        used = sum(-(-size // block_rows) for size in sizes) * block_rows  # rows past the used tiles: unwritten
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert relative_error(got[:used], want[:used]) < TOLERANCE
+
+    def lowering_args(self, rows, block_rows, k, n):
+        tiles, sds = moe_gemm.max_tiles(rows, 288, block_rows), jax.ShapeDtypeStruct
+        args = (sds((tiles * block_rows, k), jnp.bfloat16), sds((288, k, n), jnp.bfloat16), sds((tiles,), jnp.int32),
+                sds((), jnp.int32))
+        return args, dict(config=moe_gemm.GemmConfig(block_rows=block_rows))

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import traced_kernels
+from kernel_case import KernelCase
 
 from pallas_kernels import select_tokens as st
 from pallas_kernels.select_tokens import candidate_scores_triton, pool_scores, select_tokens, top_pools_triton, visible_key_counts
@@ -219,3 +220,70 @@ def test_kernel_lowers_for_the_gpu_at_the_model_shapes():
             sds((b, s), jnp.bool_), sds((b, t), jnp.int32),
         ).as_text()
         assert text.count("xla.gpu.triton") == 2  # the candidates' scores, the top-k
+
+
+class TestCandidateScores(KernelCase):
+    """The candidates' scores kernel through `candidate_scores_kernel`: one query (heads as the
+    product's rows) and a ragged prefill over invalid pools; the same candidates (-inf elsewhere)
+    and the same scores up to the order of fp32 sums."""
+
+    cases = {
+        "one query, heads as rows": dict(b=2, t=1, n_pools=37, pool=4, first_query=147),
+        "ragged prefill with holes": dict(b=2, t=45, n_pools=12, pool=4, first_query=0, holes=True),
+    }
+    kernels = {"candidate_pool_scores": 1}
+    lowering_cases = {
+        "decode over 4160 keys": (dict(b=8, t=1, s=4160), ["__gpu$xla.gpu.triton"]),
+        "prefill of 4096": (dict(b=1, t=4096, s=4096), ["__gpu$xla.gpu.triton"]),
+    }
+
+    def inputs(self, key, b, t, n_pools, pool, first_query, holes=False):
+        q, w, keys, mask, positions = kernel_case(int(jax.random.randint(key, (), 0, 2**30)), b, t, n_pools, pool,
+                                                  first_query, holes=holes)
+        visible = st.visible_pools(st.first_valid_key(mask), positions, pool, n_pools)
+        return (q, w, keys, st.pool_validity(mask, n_pools, pool), visible), {}
+
+    def kernel(self, *args, interpret=True):
+        return candidate_scores_triton.candidate_scores_kernel(*args, interpret=interpret)
+
+    def reference(self, *args):
+        return st.candidate_scores_reference(*args)
+
+    def compare(self, got, want, **_):
+        assert np.isfinite(want).any()
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5 * np.abs(want[finite]).max())
+
+    def lowering_args(self, b, t, s):
+        sds, pools = jax.ShapeDtypeStruct, s // 4
+        return (sds((b, t, 32, 128), jnp.bfloat16), sds((b, t, 32), jnp.float32), sds((b, pools, 128), jnp.bfloat16),
+                sds((b, pools), jnp.bool_), sds((b, t), jnp.int32)), {}
+
+
+class TestTopPools(KernelCase):
+    """The ranking kernel through `top_pools_kernel` on scores with ties (halves) and rows of fewer
+    candidates than k: XLA's top-k's set, ties to the lower index, in each row's order."""
+
+    cases = {"a row narrower than k": dict(rows=6, n=33, k=33), "rows padded to 128": dict(rows=4, n=100, k=7)}
+    kernels = {"top_pools": 1}
+    lowering_cases = {"32768 pools": (dict(rows=4096, n=32768, k=512), ["__gpu$xla.gpu.triton"])}
+
+    def inputs(self, key, rows, n, k):
+        scores = jnp.round(jax.random.normal(key, (2, rows, n)) * 2) / 2
+        return (scores.at[1, 1, n // 3 :].set(-jnp.inf),), dict(k=k)
+
+    def kernel(self, scores, k, interpret=True):
+        return top_pools_triton.top_pools_kernel(scores, k, interpret=interpret)
+
+    def reference(self, scores, k):
+        index, valid = st.top_pools_reference(scores, k)
+        order = jnp.argsort(index, axis=-1)
+        return jnp.take_along_axis(index, order, axis=-1), jnp.take_along_axis(valid, order, axis=-1)
+
+    def compare(self, got, want, **_):
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+    def lowering_args(self, rows, n, k):
+        return (jax.ShapeDtypeStruct((1, rows, n), jnp.float32),), dict(k=k)
