@@ -219,8 +219,8 @@ def main(argv=None):
     if getattr(args, "compilation_cache", "none") != "none":
         import jax
 
-        # On the CPU the tiny checkpoint's README command spent 8 + 5 s compiling its prefill and
-        # decode step; with the programs cached, the second run's first two tokens came after 3.6 + 2.0 s.
+        # On the CPU the tiny checkpoint's README command spends 8 + 5 s compiling its prefill and
+        # decode step; with the programs cached, a second run's first two tokens come after 3.6 + 2.0 s.
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     try:
         args.run(args)

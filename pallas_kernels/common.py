@@ -19,7 +19,7 @@ def pick_implementation(implementation, unsupported, dtype, *, interpret=False):
     GPU whatever the backend (how the CPU tests reach the GPU's path); the reference ignores it.
 
     The kernels multiply bf16 operands (fp32 accumulation), so the automatic choice keeps fp32
-    inputs on the fp32 reference: on the H200 the tiny fp32 model's logits moved by 0.14-0.19
+    inputs on the fp32 reference: on the H200 the tiny fp32 model's logits move by 0.14-0.19
     (relative) through the kernels against 3.7e-6 through the reference.
     """
     if implementation not in IMPLEMENTATIONS:

@@ -34,13 +34,13 @@ def mapping(p, streams, config):
         return jax.lax.fori_loop(0, config.hc_sinkhorn_iters - 1, sinkhorn_step, c, unroll=unroll)
 
     # Off the CPU, unrolled: there a rolled loop is a while loop with a host round trip per iteration
-    # (8 mappings x 19 iterations were most of a small model's decode step on the H200), and XLA fuses
+    # (8 mappings x 19 such trips are most of a small model's decode step on the H200), and XLA fuses
     # the unrolled iterations. On the CPU the loop is free and unrolling doubles the compile time.
     comb = jax.lax.platform_dependent(comb, cpu=lambda c: sinkhorn(c, False), default=lambda c: sinkhorn(c, True))
     # The three are computed apart from their consumers: fused into expand's and the projection's
     # element-wise code, the unrolled Sinkhorn chain grows XLA:GPU fusions whose tiling priority
     # fusion searches again at every step (the decode step's compile on an H200 target: 398 s, 44 s
-    # with the barrier; bench/RESULTS.md, twenty-ninth session). They are [B, T, H(, H)]: tiny.
+    # with the barrier; bench/RESULTS.md). They are [B, T, H(, H)]: tiny.
     return jax.lax.optimization_barrier((pre, post, comb))
 
 
@@ -49,7 +49,7 @@ def _normed_projection(flat, fn, eps):
     bf16 pieces that sum to it exactly, so that each product is exact and only the fp32 sums round
     (what an fp32 product of the normed rows gives, up to the order of roundings), without the
     normed rows written out in fp32 for a HIGHEST product (on the H200 at 16384 tokens, hidden 2048,
-    that pair took 0.43 ms a call: 8x the bf16 streams' read)."""
+    that pair takes 0.43 ms a call: 8x the bf16 streams' read)."""
     if flat.dtype != jnp.bfloat16:
         return jnp.einsum("...i,io->...o", unweighted_rms_norm(flat.astype(jnp.float32), eps), fn, precision=PRECISION)
     pieces, rest = [], fn

@@ -1,7 +1,8 @@
 """The KDA decode step's Triton kernels: the fused step (`decode_step`, for states under
 `decode_update_mosaic.MIN_STATE_BYTES` and head dims outside `decode_update_mosaic.STEP_HEAD_DIMS`) and the token side
 alone (`token_vectors`, before `decode_update_mosaic.update_state`).
-`kda.py` dispatches here; the chunked prefill scan is in Mosaic GPU (`prefill_intra_mosaic`, `prefill_chain_mosaic`).
+`api.kda_decode_step` dispatches here; the chunked prefill scan is in Mosaic GPU (`prefill_intra_mosaic`,
+`prefill_chain_mosaic`). The launch shapes and what holds the fused step's speed: docs/kda.md.
 """
 
 import functools
@@ -20,7 +21,7 @@ def _conv_silu(qkv_ref, conv_ref, weight_ref, conv_out_ref, b, part, chans):
     K taps share a sector: L1 serves all but the first) and written as one [channels, K] block (one
     8-byte store a channel at K = 4 in bf16, not four 2-byte ones). Read as a block, the taps taken
     apart in registers would need layout conversions: ptxas then gives the fused step 255 registers
-    and 8 KB of shared memory rather than 128 and 1 KB (bench/kda_ptxas.py)."""
+    and 8 KB of shared memory rather than 128 and 1 KB (bench/RESULTS.md)."""
     kernel = weight_ref.shape[0]
     x = qkv_ref[b, part, chans].astype(jnp.float32)
     window = [conv_ref[b, part, chans, j].astype(jnp.float32) for j in range(1, kernel)] + [x]
@@ -92,17 +93,12 @@ def fused_decode_step(
 ):
     """The fused one-token KDA step; shapes as `kda.kda_decode_step`. The recurrent state is
     updated in place (donate it under jit, or XLA copies it first). Each program streams a
-    [dk, block_v] slab of one head's state; the defaults, 64 columns with 4 warps, were the fastest
-    of eight launch shapes on the H200 (bench/RESULTS.md; 8 warps took twice as long). On the H200
-    the kernel reaches 76-79% of the state-bytes roofline at batch 64 and 256 (H = 64, D = 128;
-    writing the conv state as [channels, K] blocks rather than a tap at a time changed nothing
-    there), where the two-kernel step (`decode_update_mosaic`) reaches 80-83%; with less than 64 MiB of
-    state, or at D = 64, it is the faster of the two. The slab update alone reaches 87-89%. What
-    holds it there is the launch: XLA launches it preferring shared memory (228 KiB, by ncu), which
-    leaves 28 KiB of L1 for this kernel's loads; the same program launched by the triton package
-    runs at 93-95% with the driver's default split and at 85-86% with XLA's
-    (bench/kda_decode_torch.py). The preference is set on the kernel: the CUDA context's does not
-    move it (bench/kda_decode_launch.py)."""
+    [dk, block_v] slab of one head's state; the defaults, 64 columns with 4 warps, are the fastest
+    of eight launch shapes on the H200 (bench/RESULTS.md; 8 warps take twice as long). On the H200
+    the kernel reaches 76-79% of the state-bytes roofline at batch 64 and 256 (H = 64, D = 128),
+    where the two-kernel step (`decode_update_mosaic`) reaches 82-84%; with less than 64 MiB of
+    state, or at D = 64, it is the faster of the two. What holds it there is XLA's launch, which
+    leaves 28 KiB of L1 per SM for its loads (docs/kda.md)."""
     b, h, _, dv = state.shape
     block_v = min(block_v, dv)
     kernel = pl.pallas_call(

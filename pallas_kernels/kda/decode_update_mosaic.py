@@ -1,20 +1,15 @@
 """The KDA decode step's state update in Pallas Mosaic GPU, after `decode_fused_triton.token_vectors`.
 
-The step is a stream over the state. Loaded through L1, as a Triton kernel loads it, the slabs
-stall under XLA's launch, which leaves 28 KiB of L1 per SM (85-88% of the state-bytes roofline at
-best; bench/RESULTS.md, fifteenth session). Here each CTA (one warpgroup) takes one [dk, block_v]
-slab of one head's state into shared memory by TMA, as swizzled [8, 32] fp32 tiles (unswizzled, the
-WGMMA register layout's loads would conflict on the banks), updates it in registers and stores it
-back in place by TMA: 89-93% on the H200 (bench/kda_decode_mosaic.py, sixteenth session; in the
-step, seventeenth).
+The step is a stream over the state. Each CTA (one warpgroup) takes one [dk, block_v] slab of one
+head's state into shared memory by TMA, as swizzled [8, 32] fp32 tiles (unswizzled, the WGMMA
+register layout's loads would conflict on the banks), updates it in registers and stores it back in
+place by TMA. Loaded through L1, as a Triton kernel loads it, the slabs stall under XLA's launch,
+which leaves 28 KiB of L1 per SM; by TMA the update reaches 89-93% of the state-bytes roofline on
+the H200, against 85-88% at best through L1 (bench/RESULTS.md).
 
-The token side (conv, SiLU, norms, gate, beta) runs before, in `decode_fused_triton.token_vectors`: fused in
-here, one channel per thread, the step ran at 53-63% of the roofline whether each slab's CTA or one
-CTA per head computed it (bench/RESULTS.md, eighteenth session). Apart, it takes 0.015 / 0.050 ms
-at batch 64 / 256 (H = 64, D = 128), the step 82-84% of the roofline in all (nineteenth session).
-Nor did a token warpgroup beside persistent state warpgroups in one launch beat it: at best
-78% / 82%, the state stream alone at most 83% / 87% (twenty-first and twenty-second sessions; the
-code is in the history at b6bccf6).
+The token side (conv, SiLU, norms, gate, beta) runs before, in `decode_fused_triton.token_vectors`:
+the step in two kernels reaches 82-84% of the roofline at batch 64 and 256 (H = 64, D = 128), where
+the token side fused into this kernel, or beside it in one launch, is slower (docs/kda.md).
 """
 
 import jax
@@ -25,14 +20,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import decode_fused_triton
 
-BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md, sixteenth session)
+BLOCK_V = 32  # the fastest slab width on the H200 (bench/RESULTS.md)
 HEAD_DIMS = (64, 128)  # dk: the WGMMA layout's 64-row tiles
 # Where the two kernels beat the fused Triton step on the H200 (bench/RESULTS.md): from 64 MiB of
-# state at D = 128 (H = 64, kernel ms: B = 8 0.0224 vs 0.0163, B = 16 0.0428 vs 0.0442, B = 64 0.155
-# vs 0.161; seventeenth session); below it the state sits largely in the 50 MB L2, where one launch
-# is cheaper. At D = 64 never: the token side weighs twice as much against a head's state, and the
-# fused step was faster at every batch from 8 to 128 MiB (B = 512: 0.414 vs 0.434 ms with 64-column
-# slabs, 0.488 with 32; eighteenth session).
+# state at D = 128 (H = 64, kernel ms, two kernels vs fused: B = 8 0.0224 vs 0.0163, B = 16 0.0428
+# vs 0.0442, B = 64 0.155 vs 0.161); below it the state sits largely in the 50 MB L2, where one
+# launch is cheaper. At D = 64 never: the token side weighs twice as much against a head's state, and
+# the fused step is faster at every size from 8 to 128 MiB (B = 512: 0.414 ms against 0.434 with
+# 64-column slabs, 0.488 with 32).
 MIN_STATE_BYTES = 64 * 2**20
 STEP_HEAD_DIMS = (128,)
 
@@ -83,8 +78,8 @@ def update_state(vectors, state, *, out_dtype, block_v=BLOCK_V, interpret=False)
     (o [B, H, d] in out_dtype, the new state). The state is updated in place (donate it under jit,
     or XLA copies it first). One CTA per slab, the value block varying fastest in launch order, then
     the head: CTAs resident together stream one contiguous stretch of the state (with the batch
-    fastest, 4 MiB apart, the step ran at 67-74% of the roofline on the H200 rather than the probe's
-    92-93%). The oracle is `kda.decode_update_reference`."""
+    fastest, slabs 4 MiB apart, the step reaches 67-74% of the roofline on the H200, where the update
+    alone in this order reaches 89-93%). The oracle is `kda.decode_update_reference`."""
     b, h, dk, dv = state.shape
     if dk not in HEAD_DIMS or dv != dk or block_v not in (32, 64) or dv % block_v:
         raise ValueError(f"the state must be [B, H, d, d] with d one of {HEAD_DIMS}, a multiple of block_v in"

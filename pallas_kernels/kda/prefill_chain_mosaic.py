@@ -8,10 +8,8 @@ Every product takes its left operand from SMEM (w, q_w and k exp(G_last - G) as 
 carries fp32 right operands (S, v_new) as bf16 halves, hi + lo; q_w and k exp(G_last - G) arrive as
 halves too (hi.hi + hi.lo + lo.hi), w is bf16 as the intra kernel computed it, and u and A_qk u
 arrive as halves that are added up in fp32. For a bf16 o, q_w S drops q_w's lo half (`o_products`).
-A step (~4000 cycles on the H200) is bound by the latency of its own instruction stream: ncu shows
-one warp per scheduler issuing every 3.8 cycles, about 1000 instructions per warp per step (56 of
-them wgmmas; most of the rest split, convert and add the fp32 tiles), with L2 at 32% and DRAM at 22%
-of their peaks (bench/RESULTS.md).
+A step (~4000 cycles on the H200) is bound by the latency of its own instruction stream, not by
+memory (bench/RESULTS.md). The options, their SMEM and their measured reasons: docs/kda.md.
 """
 
 import functools
@@ -203,10 +201,9 @@ def chain(
     G)) come in, in two slots, while the previous chunk is worked on; u and A_qk u too with
     `value_slots` 2 (one CTA per SM at dk = 128 and 32 columns: 225,280 B of SMEM by the lowering, or
     192,512 B with two o products), or with 1 in one buffer each, fetched anew as soon as they are in
-    registers (at 64 columns: 221,184 B rather than 248 KB). (A one-slot form for two CTAs per SM,
-    tiles fetched after each chunk, was slower at every shape once 64 columns fitted: bench/RESULTS.md,
-    nineteenth session.) `o_products`: q_w S as 3 bf16 products
-    (hi.hi + hi.lo + lo.hi, as precise as fp32 work to about 1e-5), 2 (q_w's hi half times S's halves)
+    registers (at 64 columns: 221,184 B rather than 248 KB; a one-slot form for two CTAs per SM, tiles
+    fetched after each chunk, is slower at every shape than this one: docs/kda.md). `o_products`: q_w S
+    as 3 bf16 products (hi.hi + hi.lo + lo.hi, as precise as fp32 work to about 1e-5), 2 (q_w's hi half times S's halves)
     or 1 (hi.hi); None: 3 for an fp32 o, 2 for a bf16 one (whose rounding is the larger error: on the
     H200 the output error stays at the bf16 floor and the scan is 5-7% faster). The state's products
     are always 3, so the state does not depend on it. `multicast`: the value blocks of a head run as
@@ -245,7 +242,7 @@ def chain(
         ),
         # No automatic barriers (Mosaic GPU puts one before every TMA fetch and on both sides of every
         # register store to SMEM): the kernel's own commit_smem and wait_smem_to_gmem order each reuse
-        # of a buffer, and on the H200 the scan took 2-4% less time without them.
+        # of a buffer, and on the H200 the scan takes 2-4% less time without them (bench/RESULTS.md).
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True, unsafe_no_auto_barriers=True
         ),
@@ -271,12 +268,12 @@ def scan_arg_shapes(b, t, h, d):
 def default_options(b, h, dv, out_dtype, *, block_v=None, value_slots=None, multicast=None, sms=None):
     """The chain's options for B sequences of H heads, those left None picked by the shape: `block_v`
     32 value columns when the 32-column grid fits on the `sms` SMs in one wave; over several waves with
-    a bf16 o, 64 columns in one CTA per SM, u and A_qk u in one slot (on the H200 the scan 1.71 ->
-    1.56 ms at (1, 8192, 64), 1.83 -> 1.60 at (8, 4096, 16) against 32 columns in two CTAs per SM:
-    half the CTAs, each reading its left operands from SMEM once per 64 columns). `value_slots`: one
-    above 32 columns (two would not fit), else two. `multicast`: clusters when the grid fits in one
-    wave (on the H200 multicast took the chain 0.64 -> 0.60 ms at (1, 16384, 16), and made it 3-15%
-    slower over several waves). Returns (block_v, value_slots, multicast)."""
+    a bf16 o, 64 columns in one CTA per SM, u and A_qk u in one slot (on the H200 the scan takes 1.56
+    ms at (1, 8192, 64) and 1.60 at (8, 4096, 16), against 1.71 and 1.83 with 32 columns in two CTAs
+    per SM: half the CTAs, each reading its left operands from SMEM once per 64 columns). `value_slots`:
+    one above 32 columns (two would not fit), else two. `multicast`: clusters when the grid fits in one
+    wave (on the H200 the chain takes 0.60 ms with multicast against 0.64 without at (1, 16384, 16),
+    and is 3-15% slower with it over several waves). Returns (block_v, value_slots, multicast)."""
     sms = sms or sm_count()
     bf16_o = jnp.dtype(out_dtype) == jnp.bfloat16
     if block_v is None:

@@ -1,53 +1,22 @@
-"""The parallel half of the chunked KDA scan on Hopper, in Pallas Mosaic GPU: everything a 64-token
-chunk needs before the serial chain (`prefill_chain_mosaic`) meets it.
+"""The chunk-parallel half of the chunked KDA scan on Hopper, in Pallas Mosaic GPU: for every 64-token
+chunk of every head and sequence, independently, what the serial chain (`prefill_chain_mosaic`) needs.
 
 One warpgroup per (chunk, head, sequence), its tiles brought in by TMA (rows past the end of the
-sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma).
-The kernel computes:
-- G, the running sums of the log decays g inside the chunk (zero at and past the sequence's length),
-  in place of g: tril(1) g on the tensor cores, g as three bf16 pieces whose sum is g exactly (each
-  product exact, the sums fp32); G at tokens 15, 31, 47 and 63 (the references below and the last),
-  and exp(G_last), the chain's decay. (A separate pass wrote G to HBM and the kernel read it back:
-  1 KB a token and head of the scan's traffic);
-- the scores A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), with q and k
-  L2-normalised (q also scaled by dk^-0.5). The decay exp(G_i - G_j) of a channel factors through a
-  reference: the middle of each 32-token diagonal block (every factor exp(x) with |x| <= 16 |g|,
-  normal in fp32 and tf32), or the boundary between the later queries and the earlier keys (both
-  factors <= 1). Exact while every gate g >= MIN_GATE (-5, the model's bound). Two passes, one per
-  choice of references, with fp32 operands multiplied as tf32;
-- T = (I + A_kk)^-1 by block forward substitution: the 16-row diagonal blocks in fp32 on the CUDA
-  cores, then two merges of diagonal blocks (16 -> 32 -> 64 rows) on the tensor cores (stable where a
-  Neumann series is not: a dense A_kk, from slow decay and similar keys, gives Neumann terms like
-  C(62, 31));
-- the WY factors w = T diag(beta) (k exp(G)) (bf16, what the chain multiplies) and
-  u = T diag(beta) v; q_w = q exp(G) - A_qk w and A_qk u, so that the chain's output is
-  o = q_w S + A_qk u; k exp(G_last - G) and exp(G_last). Every fp32 output of the kernel leaves as two
-  bf16 halves (the chain adds u's and A_qk u's, and multiplies q_w's and k exp(G_last - G)'s as they are),
-  q_w as its hi half alone where the chain will not read the lo half (a bf16 o).
+sequence arrive as zeros, so callers need not pad) and its products on the tensor cores (wgmma). It
+computes G, the running sums of the log decays g inside the chunk, and exp(G_last), the chain's
+decay; the scores A_qk = tril(q . k decayed) and A_kk = strict_tril(beta k . k decayed), q and k
+L2-normalised (q also scaled by dk^-0.5), the decays factored through reference tokens 16 apart;
+T = (I + A_kk)^-1 by block forward substitution; the WY factors w = T diag(beta) (k exp(G)) and
+u = T diag(beta) v; q_w = q exp(G) - A_qk w, A_qk u and k exp(G_last - G), so that the chain's output
+is o = q_w S + A_qk u.
 
-Every product is [64, 64] x [64, 64]: the channels go in blocks of 64 (BLOCK_K), so that each
-operand pair takes 16 KB. Both operands come from SMEM (A in registers gave wrong rows on the H200
-under this kernel's register pressure); every tile load is free of bank conflicts
-(`optimized=True`; single rows, G's marks and the inverse's pivots, are read without). SMEM: k, G and
-beta for the whole kernel, the rest scoped per phase (q and the
-score passes' operands; then v's buffers, which hold A_kk's halves for the inverse until v comes in,
-and the pairs of the inverse (and a 4 KB fp32 buffer for its diagonal blocks' rows) and the WY
-products, which reuse v's buffers after u and bring q back for q_w): 103 KB at dk = 128 by the
-lowering, so two CTAs share an SM (202 KB and one CTA before). The repeated stages (score passes,
-merge steps, 64-channel blocks) are loops: unrolled, the code outgrew the instruction cache (on the
-H200 the loops took the kernel from 1.56 to 0.92 ms at (1, 16384, 16), and its cycles per issued
-instruction from 8.4 to 4.6).
+What holds: exact while every gate g >= MIN_GATE (-5, the model's bound); tokens at or past a
+sequence's length neither decay nor write; the scores' products in tf32, every later product as
+accurate as fp32 work to about 1e-5 of each product (fp32 operands as bf16 hi + lo halves); every
+fp32 output leaves as two bf16 halves, w as bf16. The interpreter computes the same products (the
+tf32 rounding is explicit), so the CPU tests check the GPU's numbers.
 
-Precision: the scores' operands are rounded to tf32 (11 significant bits, one product: the tensor
-cores multiply fp32 operands as tf32, at half the rate of bf16); every later product carries fp32
-operands as two bf16 halves (hi + lo, 16 significant bits, three products: hi.hi + hi.lo + lo.hi),
-as accurate as fp32 work to about 1e-5 of each product. The inverse and the WY products need that
-(in the interpreter, on correlated keys, the state's error is 2.4e-4 with tf32 scores and 9.9e-4
-with a tf32 inverse: branch `intra-tf32-probe`), and they could not take tf32 anyway: its operands
-must be stored k-major, and their right operands leave registers with k as rows. The interpreter computes the same
-products (the tf32 rounding is explicit), so the CPU tests check the GPU's numbers; only where the GPU's
-approximate exp and numpy's land on opposite sides of a tf32 rounding do the operands differ, by 2^-11
-(on the H200: intra outputs within 3e-3 of the interpreter's, the scan's errors as the interpreter's).
+The phases, the precision, the memory plan and the measurements behind them: docs/kda.md.
 """
 
 import functools
@@ -141,13 +110,13 @@ def _unit_lower_inverse(a, a_pair, t_pair, c_pair, rows_s):
     diagonal blocks, 16 -> 32 -> 64 rows, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]],
     for all blocks at once as T <- T - T (L T), L = A on the merged blocks' lower-left quadrants.
     The factors are entries of A and of the inverse itself, so nothing grows past the inverse's own
-    size; a Neumann series (the doubling this replaced) has terms like C(62, 31) a^32 when A is dense
-    (slow decay, similar keys), which cancelled to inf - inf. T is block diagonal, so L T is A T on
+    size; a Neumann series (computed by doubling) has terms like C(62, 31) a^32 when A is dense
+    (slow decay, similar keys), which cancel to inf - inf. T is block diagonal, so L T is A T on
     those quadrants, bit for bit (the other products are exact zeros): A is split once, and T's halves
     serve as the right operand of A T and the left one of T (L T). `a_pair`, `t_pair` and `c_pair`
     are (hi, lo) pairs of [C, C] buffers for A, T and L T; `rows_s` an fp32 [C, 16] buffer. A loop,
-    not unrolled: the kernel's straight-line code outgrew the instruction cache (most stalls on the
-    H200 were fetches)."""
+    not unrolled: as straight-line code the kernel outgrows the instruction cache (most stalls on the
+    H200 are then instruction fetches; docs/kda.md)."""
     shape = a.shape
     r, c = _iota(shape, 0), _iota(shape, 1)
     _store_split(a, a_pair)
@@ -403,7 +372,7 @@ def _intra_kernel(
         return operand_smem(square), operand_smem(square)
 
     # Unswizzled buffers after the swizzled ones: on the H200 one placed before the swizzled operands
-    # gave wrong products in rows 8-15 of every 16 (bench/RESULTS.md).
+    # gives wrong products in rows 8-15 of every 16 (bench/RESULTS.md).
     score_operands = (operand_smem(square, _F32), operand_smem(square, _F32))
     sum_operands = tuple(operand_smem(square) for _ in range(4))  # tril(1) and g's three pieces
     with jax.named_scope("kda_intra_scores"):
@@ -456,7 +425,7 @@ def intra(q, k, v, g, beta, lengths, *, qw_lo=True, interpret=False):
         ),
         # No automatic barriers (Mosaic GPU puts one before every TMA fetch and on both sides of every
         # register store to SMEM): the kernel's own commit_smem and wait_smem_to_gmem order each reuse
-        # of a buffer, and on the H200 the scan took 2-4% less time without them.
+        # of a buffer, and on the H200 the scan takes 2-4% less time without them (bench/RESULTS.md).
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True, unsafe_no_auto_barriers=True
         ),

@@ -5,8 +5,8 @@ The kernel runs one CTA per SM, each walking its share of the (tile, column bloc
 blocks fastest (the SMs at work at one time share a few tiles' rows and their experts' weight
 columns in L2, so HBM sees each weight about once), and skipping tiles past the used ones. Per item,
 two compute warpgroups split the columns and a third feeds them by TMA, pipelined over K
-(`emit_pipeline_warp_specialized`). On the H200 this simple form was 2-6% faster than one pipeline
-per SM across all its items over 64-row tiles in pairs (bench/RESULTS.md, twenty-third session).
+(`emit_pipeline_warp_specialized`). On the H200 this simple form is 2-6% faster than one pipeline
+per SM across all its items over 64-row tiles in pairs (bench/RESULTS.md).
 """
 
 import dataclasses

@@ -11,8 +11,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
-# Pools a kernel program scores: on the H200 64 took the scores 0.091 -> 0.069 ms at 4096 tokens and
-# 0.729 -> 0.710 at 16384 against 128 (32 queries, or 16, were slower; bench/RESULTS.md).
+# Pools a kernel program scores: on the H200, 64 pools a program: 0.069 ms against 0.091 ms at 128 at
+# 4096 tokens, 0.710 against 0.729 at 16384 (32 queries a program, or 16, are slower; bench/RESULTS.md).
 BLOCK_POOLS = 64
 MAX_BLOCK_QUERIES = 64  # queries a kernel program scores (fewer, down to 16, for shorter blocks)
 MIN_BLOCK_QUERIES = 16  # fewer queries: one query a program, its heads as the product's rows
@@ -60,7 +60,7 @@ def candidate_scores_kernel(q_idx, head_weights, pool_keys, pool_valid, visible,
     """`candidate_scores_reference` as one Pallas (Triton) launch; bf16 q_idx and pool_keys, hd in
     KERNEL_HEAD_DIMS. Queries, heads and pools are padded to whole blocks (padded queries see no
     pool; padded heads weigh 0). Fewer than 16 queries take the heads as the product's rows (on the
-    H200 at batch 8 over 4096 cached, the queries' form took 0.022 ms, twice XLA's product and sum)."""
+    H200 at batch 8 over 4096 cached, the queries' form takes 0.022 ms, twice XLA's product and sum)."""
     b, t, nh, hd = q_idx.shape
     n_pools = pool_keys.shape[1]
     few = t < MIN_BLOCK_QUERIES

@@ -48,8 +48,8 @@ def pool_scores(q_idx, head_weights, pool_keys):
     """score[b, t, p] = sum_h w[b, t, h] * relu(q[b, t, h] . pool_key[b, p] / sqrt(hd)), fp32."""
     scale = q_idx.shape[-1] ** -0.5
     # Products of bf16 values are exact in fp32: bf16 operands give the sums HIGHEST forms on fp32
-    # copies, but on the tensor cores at the bf16 rate (on the H200 the fp32 product was half of
-    # the selection's time at 4096 tokens, 1.0 of 1.9 ms, and it grows with T * n_pools).
+    # copies, but on the tensor cores at the bf16 rate (on the H200 an fp32 product is half of the
+    # selection's time at 4096 tokens, 1.0 of 1.9 ms, and it grows with T * n_pools).
     exact = q_idx.dtype == pool_keys.dtype == jnp.bfloat16
     operands = (q_idx, pool_keys) if exact else (q_idx.astype(jnp.float32), pool_keys.astype(jnp.float32))
     dots = jnp.einsum(

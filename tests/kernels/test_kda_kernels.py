@@ -5,8 +5,7 @@ Inputs are bf16 values; the chunked scan is compared in fp32 (inputs upcast) so 
 the kernel's, not the rounding of a bf16 output (one bf16 ulp at the largest output is up to 7.8e-3
 of it); one test runs the real bf16 path. The interpreter computes the same bf16 products as the
 GPU (fp32 operands as bf16 hi + lo halves); tests/kernels/test_kda_lowering.py lowers the kernels for the
-GPU, and bench/kda_intra_check.py compares the compiled kernels with the interpreter on the H200
-(bench/RESULTS.md).
+GPU, and on the H200 the compiled kernels match the interpreter (docs/kda.md, bench/RESULTS.md).
 """
 
 import functools
@@ -83,7 +82,7 @@ def test_chunk_scan_head_dim_128_random_gates():
 @pytest.mark.parametrize("keys", ["repeated", "correlated"])
 def test_chunk_scan_dense_within_a_chunk(keys):
     """No decay to speak of, beta = 1 and keys alike (a repeated token): A_kk is dense and its Neumann
-    terms reach C(62, 31); the kernel's inverse must not go through them (the doubling one did: inf)."""
+    terms reach C(62, 31); the kernel's inverse must not go through them (an inverse by doubling gives inf)."""
     q, k, v, g, beta = scan_inputs(8, 1, 130, 2, 64)
     if keys == "repeated":
         k, g = jnp.broadcast_to(k[:, :1], k.shape), jnp.zeros_like(g)
@@ -138,7 +137,7 @@ def test_chain_with_fewer_output_products(o_products):
     o_ref, _ = kda.kda_chunk_scan_reference(q, k, v, g, beta, s0, lengths=lengths)
     error, error3 = (relative_error(np.asarray(x[:, :t]), np.asarray(o_ref)) for x in (o, o3))
     assert error3 < 5e-4 and error < 4e-3, (error, error3)
-    assert error > error3  # the products did change
+    assert error > error3  # the fewer products do change o
     if o_products == 2:  # a bf16 o takes two products by default
         o_bf16, _ = prefill_chain_mosaic.chunk_scan(*args, out_dtype=jnp.bfloat16, interpret=True)
         np.testing.assert_array_equal(np.asarray(o_bf16, np.float32), np.asarray(o.astype(jnp.bfloat16), np.float32))

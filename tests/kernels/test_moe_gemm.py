@@ -49,8 +49,8 @@ def test_expert_tiles_match_a_row_by_row_layout(sizes, block_rows):
 
 def test_expert_tiles_have_no_loop_on_the_gpu():
     """A rolled loop lowers to a while loop, which on the GPU copies its condition to the host at each
-    step: the bisection of searchsorted's default made 21 of them in the wider MoE config's decode
-    step on the H200 (bench/RESULTS.md, thirtieth session)."""
+    step: searchsorted's default bisection makes 21 of them in the wider MoE config's decode step on
+    the H200 (bench/RESULTS.md)."""
     lowered = jax.jit(lambda sizes: moe_gemm.expert_tiles(sizes, 64, 64)).trace(jnp.ones(64, jnp.int32)).lower(
         lowering_platforms=("cuda",))
     assert "stablehlo.while" not in lowered.as_text()

@@ -106,8 +106,8 @@ def test_hyper_connection_bf16_streams_are_mapped_as_in_fp32(goldens):
 
 
 def test_hyper_connection_sinkhorn_is_unrolled_off_the_cpu(goldens):
-    """On the GPU a rolled loop is a while loop with a host round trip per iteration (bench/RESULTS.md,
-    twenty-fifth session: 152 a decode step); lowered for CUDA the mapping has none, for the CPU one."""
+    """On the GPU a rolled loop is a while loop with a host round trip per iteration (152 a decode
+    step, bench/RESULTS.md); lowered for CUDA the mapping has none, for the CPU one."""
     data, config = layer(goldens, "hc")
     p = params_of(data, lambda r: read_hc(r, "", "attn", config))
     traced = jax.jit(lambda p, x: hyper.mapping(p, x, config)).trace(p, jnp.asarray(data["streams"]))
@@ -117,11 +117,10 @@ def test_hyper_connection_sinkhorn_is_unrolled_off_the_cpu(goldens):
 
 
 def test_hyper_connection_weights_leave_the_mapping_through_a_barrier(goldens):
-    """Fused on into expand's and the projection's element-wise code, the unrolled Sinkhorn grew
-    XLA:GPU fusions whose tiling priority fusion searched again at every step: the decode step took
+    """Fused on into expand's and the projection's element-wise code, the unrolled Sinkhorn grows
+    XLA:GPU fusions whose tiling priority fusion searches again at every step: the decode step takes
     398 s to compile for an H200 target, 44 s with pre, post and comb behind an optimization barrier
-    (bench/RESULTS.md, twenty-ninth session). Lowered for CUDA, the mapping's three results are the
-    barrier's."""
+    (bench/RESULTS.md). Lowered for CUDA, the mapping's three results are the barrier's."""
     data, config = layer(goldens, "hc")
     p = params_of(data, lambda r: read_hc(r, "", "attn", config))
     text = jax.jit(lambda p, x: hyper.mapping(p, x, config)).trace(p, jnp.asarray(data["streams"])).lower(
