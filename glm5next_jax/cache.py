@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import DSA, Config
+from .errors import InputError, checked_int
 from .sharding import check_divisible
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -51,14 +52,13 @@ def init_cache(
     """
     latent_dtype, dtype = jnp.dtype(latent_dtype), jnp.dtype(dtype)
     if latent_dtype not in LATENT_DTYPES:
-        raise ValueError(f"latent_dtype must be one of {[str(d) for d in LATENT_DTYPES]}, got {latent_dtype}")
+        raise InputError(f"latent_dtype must be one of {[str(d) for d in LATENT_DTYPES]}, got {latent_dtype}")
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        raise ValueError(f"dtype must be bfloat16 or float32, got {dtype}")
-    for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise InputError(f"dtype must be bfloat16 or float32, got {dtype}")
+    batch, max_len = checked_int("batch", batch, 1), checked_int("max_len", max_len, 1)
+    page_size = checked_int("page_size", page_size, 1)
     if max_len % page_size:
-        raise ValueError(f"max_len ({max_len}) must be a multiple of page_size ({page_size})")
+        raise InputError(f"max_len ({max_len}) must be a multiple of page_size ({page_size})")
     rows = config.select_width if select_rows is None else select_rows
     if DSA not in config.layer_types:
         page_size = 1  # nothing is paged; the page table's width then says max_len (see `page_size`)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import DSA, Config
+from .errors import InputError
 from .params import Leaf, leaf_dtype, param_spec
 from .tensor_views import ArraySource, PerGroup, Scaled, SplitAxis, Squeeze, Stack, Tensor, TensorFiles, Transpose
 
@@ -48,6 +49,7 @@ class Reader:
         self.unused = set(wanted)
         self.missing: list[str] = []
         self.misshaped: list[str] = []
+        self.mistyped: list[str] = []
 
     def has(self, name):
         return self.prefix + name in self.source
@@ -56,6 +58,7 @@ class Reader:
         return (
             [f"missing: {n}" for n in self.missing]
             + [f"mis-shaped: {m}" for m in self.misshaped]
+            + [f"not floating-point: {m}" for m in self.mistyped]
             + [f"unexpected: {n}" for n in sorted(self.unused)]
         )
 
@@ -70,7 +73,11 @@ class Reader:
                 if got != tuple(shape):
                     self.misshaped.append(f"{full}: expected {tuple(shape)}, found {got}")
                     return None
-                return Tensor(self.source, full, got, self.source.dtype(full))
+                dtype = self.source.dtype(full)
+                if not jnp.issubdtype(dtype, jnp.floating):  # bf16 and fp8 included
+                    self.mistyped.append(f"{full}: {dtype}")
+                    return None
+                return Tensor(self.source, full, got, dtype)
         self.missing.append(self.prefix + names[0] if not names[0].startswith("/") else names[0][1:])
         return None
 
@@ -79,7 +86,7 @@ def _detect_prefix(files: TensorFiles) -> str:
     for prefix in TEXT_PREFIXES:
         if prefix + "embed_tokens.weight" in files:
             return prefix
-    raise ValueError("no embed_tokens.weight under any known prefix " + str([p + "embed_tokens.weight" for p in TEXT_PREFIXES]))
+    raise InputError("no embed_tokens.weight under any known prefix " + str([p + "embed_tokens.weight" for p in TEXT_PREFIXES]))
 
 
 def _t(x):
@@ -303,7 +310,7 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None):
     path = os.fspath(path)
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        raise InputError(f"dtype must be float32 or bfloat16, got {dtype}")
     config = Config.from_hf(path)
     files = TensorFiles(path)
     prefix = _detect_prefix(files)
@@ -319,7 +326,7 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None):
     views = read_params(reader, config)
     problems = reader.problems()
     if problems:
-        raise ValueError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  " + "\n  ".join(problems))
+        raise InputError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  " + "\n  ".join(problems))
     if skipped:
         log.info("skipped tensors outside the text forward: %s", ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))
     spec = param_spec(config)

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from .errors import InputError
+
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "glm5next-tiny")
 # JAX's own variable, when set, else the user's cache folder, one per host: XLA:CPU programs are
 # built for the host's CPU features, and a home folder may be shared by machines that differ.
@@ -27,10 +29,35 @@ DEFAULT_COMPILATION_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.pa
 
 def parse_id_batch(text: str) -> list[list[int]]:
     """ "1 2 3, 4 5" -> [[1, 2, 3], [4, 5]] (rows separated by commas)."""
-    rows = [[int(t) for t in row.split()] for row in text.split(",")]
+    try:
+        rows = [[int(t) for t in row.split()] for row in text.split(",")]
+    except ValueError:
+        raise InputError(f"--ids must be integer token ids, rows separated by commas, got {text!r}") from None
     if not rows or any(not r for r in rows):
-        raise ValueError(f"--ids needs at least one token per row, got {text!r}")
+        raise InputError(f"--ids needs at least one token per row, got {text!r}")
     return rows
+
+
+def check_output_file(path, option):
+    """An output file's folder exists and is writable, before any work."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"{option}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{option}: the folder {folder} is not writable")
+    if os.path.isdir(path):
+        raise InputError(f"{option}: {path} is a folder")
+
+
+def read_tokenizer(path):
+    from tokenizers import Tokenizer
+
+    if not os.path.isfile(path):
+        raise InputError(f"--tokenizer: no file at {path}")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers package raises its own untyped errors
+        raise InputError(f"--tokenizer: {path} is not a tokenizer.json ({e})") from None
 
 
 def progress_bar(label):
@@ -59,28 +86,27 @@ def load_model(path, dtype, layout=None, progress=None):
     if os.path.exists(os.path.join(path, META)):
         config, params = restore_params(path, layout=layout)
         if str(params["embed_tokens"].dtype) != dtype:
-            raise ValueError(f"{path} holds {params['embed_tokens'].dtype} params; pass --dtype {params['embed_tokens'].dtype}")
+            raise InputError(f"{path} holds {params['embed_tokens'].dtype} params; pass --dtype {params['embed_tokens'].dtype}")
         return config, params
     return load_checkpoint(path, dtype, layout=layout, progress=progress)
 
 
 def cmd_generate(args):
-    from .generate import generate
+    from .generate import check_sampling, generate
 
-    layout = layout_of(args)
-    config, params = load_model(args.checkpoint, args.dtype, layout)
     tokenizer = None
     if args.tokenizer:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(args.tokenizer)
+        tokenizer = read_tokenizer(args.tokenizer)
         if not args.prompt:
-            raise ValueError("--tokenizer needs at least one --prompt")
+            raise InputError("--tokenizer needs at least one --prompt")
         prompts = [tokenizer.encode(p).ids for p in args.prompt]
     elif args.ids:
         prompts = parse_id_batch(args.ids)
     else:
-        raise ValueError("give --ids, or --tokenizer with --prompt")
+        raise InputError("give --ids, or --tokenizer with --prompt")
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, vocab_size=None)
+    layout = layout_of(args)
+    config, params = load_model(args.checkpoint, args.dtype, layout)
     stream = args.stream and len(prompts) == 1
     stamps = []
 
@@ -117,9 +143,11 @@ def cmd_logits(args):
 
     from .generate import right_padded
 
+    ids, mask = right_padded(parse_id_batch(args.ids))
+    if args.out:
+        check_output_file(args.out, "--out")
     layout = layout_of(args)
     config, params = load_model(args.checkpoint, args.dtype, layout)
-    ids, mask = right_padded(parse_id_batch(args.ids))
     start = time.perf_counter()
     logits = np.asarray(glm5next_jax.forward(params, config, ids, mask, layout=layout))
     seconds = time.perf_counter() - start
@@ -133,8 +161,9 @@ def cmd_logits(args):
 
 
 def cmd_convert(args):
-    from .store import save_params
+    from .store import check_target, save_params
 
+    check_target(args.out)
     config, params = load_model(args.checkpoint, args.dtype, layout_of(args), progress=progress_bar("reading"))
     save_params(args.out, params, config)  # each process writes its own shards
     print(f"wrote {args.out} ({args.dtype})")
@@ -224,7 +253,7 @@ def main(argv=None):
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (InputError, OSError) as err:  # what the user can fix: one line, no traceback
         print(f"glm5next-jax {args.command}: {err}", file=sys.stderr)
         return 2
     return 0

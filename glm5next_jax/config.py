@@ -12,6 +12,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import InputError
+
+MODEL_TYPES = ("glm5_next", "glm5_next_text")  # transformers' names of this model and its text part
+
 KDA = "linear_attention"
 DSA = "indexed_attention"
 LAYER_TYPE_ALIASES = {"full_attention": DSA}
@@ -104,8 +108,15 @@ class Config:
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             with open(path) as f:
-                raw = json.load(f)
+                try:
+                    raw = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{path} is not valid JSON: {e}") from None
+        if raw.get("model_type", "glm5_next") not in MODEL_TYPES:
+            raise InputError(f"config model_type must be one of {MODEL_TYPES}, got {raw['model_type']!r}")
         text = dict(raw.get("text_config") or raw)
+        if text.get("model_type", "glm5_next_text") not in MODEL_TYPES:
+            raise InputError(f"config text_config.model_type must be one of {MODEL_TYPES}, got {text['model_type']!r}")
         for key in ("tie_word_embeddings",):  # multimodal configs keep these at the top level
             if key in raw and key not in text:
                 text[key] = raw[key]
@@ -243,4 +254,4 @@ def _validate(c: Config) -> None:
     if c.linear_lower_bound is not None:
         need(c.linear_lower_bound < 0, f"linear_lower_bound must be negative, got {c.linear_lower_bound}")
     if errors:
-        raise ValueError("invalid GLM-5-Next config:\n  - " + "\n  - ".join(errors))
+        raise InputError("invalid GLM-5-Next config:\n  - " + "\n  - ".join(errors))

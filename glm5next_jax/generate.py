@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,9 @@ import numpy as np
 
 from .cache import init_cache
 from .config import Config
+from .errors import InputError, checked_int
 from .inference import decode_unchecked, prefill
+from .model import check_ids_in_range
 from .sharding import host_values
 
 
@@ -53,6 +56,21 @@ def sample(logits, key, *, temperature: float, top_k: int | None, top_p: float |
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def check_sampling(max_new_tokens, temperature, top_k, top_p, seed, vocab_size):
+    """`generate`'s sampling arguments, checked (an InputError names the first wrong one) and as the
+    types it uses: (max_new_tokens, temperature, top_k, top_p, seed). vocab_size None: top_k is not
+    bounded above (the CLI checks before it reads the checkpoint)."""
+    max_new_tokens = checked_int("max_new_tokens", max_new_tokens, 1)
+    if not isinstance(temperature, (int, float, np.number)) or not math.isfinite(temperature) or temperature < 0:
+        raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None:
+        top_k = checked_int("top_k", top_k, 1, vocab_size)
+    if top_p is not None and not (isinstance(top_p, (int, float, np.number)) and 0.0 < top_p <= 1.0):
+        raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
+    seed = checked_int("seed", seed, -(2**63), 2**63 - 1)  # JAX's keys take 64-bit seeds
+    return max_new_tokens, float(temperature), top_k, None if top_p is None else float(top_p), seed
+
+
 def generate(
     params,
     config: Config,
@@ -78,16 +96,16 @@ def generate(
     returning True from it stops generation. implementation, interpret, layout: as in `forward` (the
     cache is made on the layout's mesh).
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and not 1 <= top_k <= config.vocab_size:
-        raise ValueError(f"top_k must be in [1, {config.vocab_size}], got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not isinstance(prompts, (list, tuple)) or not prompts or any(len(p) == 0 for p in prompts):
+        raise InputError("prompts must be a non-empty list of non-empty token-id lists")
+    for b, prompt in enumerate(prompts):
+        has_bool = any(isinstance(t, (bool, np.bool_)) for t in np.ravel(np.asarray(prompt, object)))
+        if has_bool or not np.issubdtype(np.asarray(prompt).dtype, np.integer) or np.ndim(prompt) != 1:
+            raise InputError(f"prompts[{b}] must be a list of integer token ids, got {list(prompt)[:8]!r}")
+        check_ids_in_range(np.asarray(prompt), config.vocab_size, f"prompts[{b}]")
+    max_new_tokens, temperature, top_k, top_p, seed = check_sampling(
+        max_new_tokens, temperature, top_k, top_p, seed, config.vocab_size
+    )
     eos = config.eos_token_id if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
     eos = np.asarray(sorted(eos), np.int64)
 

@@ -16,9 +16,10 @@ import numpy as np
 
 from . import cache as cache_lib
 from .config import DSA, Config
+from .errors import InputError
 from .layers.dsa import dsa_layer_cached
 from .layers.kda import kda_layer_cached, kda_layer_decode
-from .model import check_ids_in_range, check_token_batch, decoder_layer, embed, final_logits
+from .model import check_ids_in_range, check_token_batch, decoder_layer, embed, final_logits, padding
 from .sharding import host_values, shard_batch
 
 
@@ -80,11 +81,7 @@ def prefill(params, config: Config, ids, attention_mask, cache, *, implementatio
     check_token_batch(ids, attention_mask, config.vocab_size)
     ids = np.asarray(ids)
     mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-    n_new = mask.sum(1)
-    offset = np.where(mask[:, 0] | (n_new == 0), 0, ids.shape[1] - n_new)
-    contiguous = np.array([mask[b, offset[b] : offset[b] + n_new[b]].all() for b in range(len(mask))])
-    if not contiguous.all():
-        raise ValueError(f"attention_mask rows {np.nonzero(~contiguous)[0].tolist()} are neither left- nor right-padded")
+    offset, n_new = padding(mask)
     check_cache(params, config, cache, ids.shape[0], n_new)
     compact = (np.arange(ids.shape[1])[None] + offset[:, None]) % ids.shape[1]
     ids = np.take_along_axis(ids, compact, axis=1)
@@ -104,8 +101,8 @@ def decode_step(params, config: Config, token_ids, cache, *, implementation=None
     if token_ids.ndim == 2 and token_ids.shape[1] == 1:
         token_ids = token_ids[:, 0]
     if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
-        raise ValueError(f"token_ids must be an integer array [B] or [B, 1], got {token_ids.dtype} {token_ids.shape}")
-    check_ids_in_range(token_ids, config.vocab_size)
+        raise InputError(f"token_ids must be an integer array [B] or [B, 1], got {token_ids.dtype} {token_ids.shape}")
+    check_ids_in_range(token_ids, config.vocab_size, "token_ids")
     check_cache(params, config, cache, token_ids.shape[0], np.ones(token_ids.shape[0], np.int64))
     return decode_unchecked(params, config, token_ids.astype(np.int32), cache, implementation, interpret, layout)
 
@@ -123,26 +120,26 @@ def check_cache(params, config: Config, cache, batch: int, n_new) -> None:
     lengths, indexer_lengths = host_values((cache["lengths"], [cache["layers"][i]["indexer_length"] for i in indexed]))
     lengths = np.asarray(lengths)
     if lengths.shape != (batch,):
-        raise ValueError(f"batch mismatch: the inputs have {batch} sequences, the cache {lengths.shape[0]}")
+        raise InputError(f"batch mismatch: the inputs have {batch} sequences, the cache {lengths.shape[0]}")
     dtype = params["embed_tokens"].dtype
     if cache_lib.cache_dtype(cache) != dtype:
-        raise ValueError(f"dtype mismatch: params are {dtype}, the cache was made for {cache_lib.cache_dtype(cache)}")
+        raise InputError(f"dtype mismatch: params are {dtype}, the cache was made for {cache_lib.cache_dtype(cache)}")
     if len(cache["layers"]) != config.num_hidden_layers:
-        raise ValueError(f"the cache has {len(cache['layers'])} layers, the config {config.num_hidden_layers}")
+        raise InputError(f"the cache has {len(cache['layers'])} layers, the config {config.num_hidden_layers}")
     rows = cache_lib.select_rows(cache)
     if rows is not None and not 0 < config.select_width <= rows:
-        raise ValueError(
+        raise InputError(
             f"selection width k = {config.select_width} must be in [1, {rows}] (the cache's selection workspace rows)"
         )
     room = cache_lib.max_len(cache) - lengths
     if (np.asarray(n_new) > room).any():
-        raise ValueError(
+        raise InputError(
             f"no room: sequences {np.nonzero(np.asarray(n_new) > room)[0].tolist()} would exceed the cache's "
             f"{cache_lib.max_len(cache)} tokens (lengths {lengths.tolist()}, adding {np.asarray(n_new).tolist()})"
         )
     for i, indexer_length in zip(indexed, indexer_lengths):
         behind = np.asarray(indexer_length) < lengths
         if behind.any():
-            raise ValueError(
+            raise InputError(
                 f"layer {i}: the indexer cache is behind the sequence for rows {np.nonzero(behind)[0].tolist()}"
             )

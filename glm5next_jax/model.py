@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import DSA, Config
+from .errors import InputError
 from .layers import hyper
 from .layers.common import PRECISION, rms_norm
 from .layers.dsa import dsa_layer
@@ -104,22 +105,34 @@ def check_token_batch(input_ids, attention_mask, vocab_size):
     shape = np.shape(input_ids)
     dtype = input_ids.dtype if hasattr(input_ids, "dtype") else np.asarray(input_ids).dtype  # a tracer has one; lists need numpy
     if len(shape) != 2 or not np.issubdtype(dtype, np.integer):
-        raise ValueError(f"input_ids must be an integer array [B, T], got {dtype} {shape}")
-    if shape[1] == 0:
-        raise ValueError("input_ids must hold at least one token per row (T >= 1)")
+        raise InputError(f"input_ids must be an integer array [B, T], got {dtype} {shape}")
+    if shape[0] == 0 or shape[1] == 0:
+        raise InputError(f"input_ids must hold at least one token per row and at least one row (B, T >= 1), got {shape}")
     check_ids_in_range(input_ids, vocab_size)
     if attention_mask is not None:
         if np.shape(attention_mask) != shape:
-            raise ValueError(f"attention_mask must match input_ids' shape {shape}, got {np.shape(attention_mask)}")
+            raise InputError(f"attention_mask must match input_ids' shape {shape}, got {np.shape(attention_mask)}")
         if not isinstance(attention_mask, jax.core.Tracer):
             values = np.unique(np.asarray(attention_mask))
             if not np.isin(values, [0, 1]).all():
-                raise ValueError(f"attention_mask must hold only 0 and 1, got values {values[:8].tolist()}")
+                raise InputError(f"attention_mask must hold only 0 and 1, got values {values[:8].tolist()}")
+            padding(np.asarray(attention_mask).astype(bool))
 
 
-def check_ids_in_range(input_ids, vocab_size):
+def padding(mask):
+    """(offset, count) of each row's real tokens in a bool mask [B, T]: every row is left-padded
+    (its tokens at the end), right-padded (at the start) or empty; a row with a hole is refused."""
+    count = mask.sum(1)
+    offset = np.where(mask[:, 0] | (count == 0), 0, mask.shape[1] - count)
+    contiguous = np.array([mask[b, offset[b] : offset[b] + count[b]].all() for b in range(len(mask))])
+    if not contiguous.all():
+        raise InputError(f"attention_mask rows {np.nonzero(~contiguous)[0].tolist()} are neither left- nor right-padded")
+    return offset, count
+
+
+def check_ids_in_range(input_ids, vocab_size, name="input_ids"):
     if isinstance(input_ids, jax.core.Tracer):
         return
     ids = np.asarray(input_ids)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"input_ids must lie in [0, {vocab_size}), got values in [{ids.min()}, {ids.max()}]")
+        raise InputError(f"{name} must lie in [0, {vocab_size}), got values in [{ids.min()}, {ids.max()}]")

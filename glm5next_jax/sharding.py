@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import Config
+from .errors import InputError
 from .params import param_axes
 
 MESH_AXES = ("data", "expert", "model")
@@ -69,7 +70,7 @@ class Layout:
         """The PartitionSpec of an array whose dimensions have these logical axes (None: replicated)."""
         unknown = sorted({a for a in axes if a is not None and a not in LOGICAL_AXES})
         if unknown:
-            raise ValueError(f"logical axes {unknown} have no rule; known: {sorted(LOGICAL_AXES)}")
+            raise InputError(f"logical axes {unknown} have no rule; known: {sorted(LOGICAL_AXES)}")
         # Mesh axes of one device split nothing: their rules give way to the next candidates.
         present = tuple((name, axis) for name, axis in self.rules if self.mesh.shape.get(axis, 1) > 1)
         return nn.logical_to_mesh_axes(tuple(axes), present)
@@ -116,7 +117,7 @@ def make_mesh(data: int = 1, expert: int = 1, model: int | None = None, devices=
     if model is None:
         model = len(devices) // (data * expert)
     if data * expert * model != len(devices):
-        raise ValueError(f"mesh data={data} x expert={expert} x model={model} != {len(devices)} devices")
+        raise InputError(f"mesh data={data} x expert={expert} x model={model} != {len(devices)} devices")
     return Mesh(np.array(devices).reshape(data, expert, model), MESH_AXES)
 
 
@@ -128,14 +129,14 @@ def make_layout(spec: str, devices=None) -> Layout:
     if name == "3d":
         dims = [int(s) for s in sizes.split("x")] if sizes else [1, 1, len(devices)]
         if len(dims) != 3:
-            raise ValueError(f"a 3d layout takes data x expert x model sizes, e.g. '3d:2x2x2', got {spec!r}")
+            raise InputError(f"a 3d layout takes data x expert x model sizes, e.g. '3d:2x2x2', got {spec!r}")
         n = int(np.prod(dims))
         return Layout(make_mesh(*dims, devices=devices[:n]), RULES, "3d")
     if name not in LAYOUTS:
-        raise ValueError(f"unknown layout {name!r}; presets: {sorted(LAYOUTS) + ['3d']}")
+        raise InputError(f"unknown layout {name!r}; presets: {sorted(LAYOUTS) + ['3d']}")
     n = int(sizes) if sizes else len(devices)
     if not 1 <= n <= len(devices):
-        raise ValueError(f"layout {spec!r} asks for {n} devices; {len(devices)} are available")
+        raise InputError(f"layout {spec!r} asks for {n} devices; {len(devices)} are available")
     axis, rules = LAYOUTS[name]
     dims = {a: (n if a == axis else 1) for a in MESH_AXES}
     return Layout(make_mesh(**dims, devices=devices[:n]), rules, name)
@@ -157,7 +158,7 @@ def check_divisible(shapes_tree, shardings_tree):
 
     jax.tree_util.tree_map_with_path(check, shapes_tree, shardings_tree)
     if problems:
-        raise ValueError("sharding does not divide:\n  " + "\n  ".join(problems))
+        raise InputError("sharding does not divide:\n  " + "\n  ".join(problems))
 
 
 def shard_params(params, config: Config, layout: Layout):

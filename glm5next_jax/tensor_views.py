@@ -20,6 +20,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from .errors import InputError, MissingFileError
+
 DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
     "F64": np.dtype(np.float64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
@@ -38,7 +40,7 @@ def normalise(index, shape):
     for s, n in zip(index, shape):
         start, stop, step = s.indices(n)
         if step != 1:
-            raise ValueError(f"views read contiguous slices only, got step {step}")
+            raise InputError(f"views read contiguous slices only, got step {step}")
         out.append(slice(start, max(start, stop)))
     return tuple(out)
 
@@ -177,16 +179,20 @@ class TensorFiles:
             with open(index) as f:
                 weight_map = _json(f, index).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map")
-            headers = {file: _header(os.path.join(path, file)) for file in sorted(set(weight_map.values()))}
+                raise InputError(f"{index} has no weight_map")
+            files = sorted(set(weight_map.values()))
+            absent = [file for file in files if not os.path.isfile(os.path.join(path, file))]
+            if absent:
+                raise MissingFileError(f"{index} lists files that are not in {path}: {', '.join(absent)}")
+            headers = {file: _header(os.path.join(path, file)) for file in files}
             for name, file in weight_map.items():
                 if name not in headers[file]:
-                    raise ValueError(f"{index} places {name} in {file}, which does not hold it")
+                    raise InputError(f"{index} places {name} in {file}, which does not hold it")
                 self.entries[name] = (os.path.join(path, file), *headers[file][name])
         else:
             files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
             if not files:
-                raise FileNotFoundError(f"no model.safetensors.index.json or *.safetensors in {path}")
+                raise MissingFileError(f"no model.safetensors.index.json or *.safetensors in {path}")
             for file in files:
                 for name, entry in _header(file).items():
                     self.entries[name] = (file, *entry)
@@ -225,7 +231,7 @@ def _json(f, path):
     try:
         return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise InputError(f"{path} is not valid JSON: {e}") from None
 
 
 def _header(file):
@@ -235,20 +241,20 @@ def _header(file):
         head = f.read(8)
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 0 < length <= size - 8:
-            raise ValueError(f"{file}: not a safetensors file (header length {length}, file of {size} bytes)")
+            raise InputError(f"{file}: not a safetensors file (header length {length}, file of {size} bytes)")
         try:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{file}: the safetensors header is not valid JSON ({e})") from None
+            raise InputError(f"{file}: the safetensors header is not valid JSON ({e})") from None
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         if entry["dtype"] not in DTYPES:
-            raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which the loader does not know")
+            raise InputError(f"{file}: tensor {name} has dtype {entry['dtype']}, which the loader does not know")
         begin, end = entry["data_offsets"]
         if 8 + length + end > size:
-            raise ValueError(
+            raise InputError(
                 f"{file}: tensor {name} ends at byte {8 + length + end}, past the file's {size} bytes (truncated?)"
             )
         out[name] = (8 + length + begin, DTYPES[entry["dtype"]], tuple(entry["shape"]))

@@ -16,6 +16,7 @@ from pallas_kernels.latent_attention import sparse_latent_attention
 from pallas_kernels.select_tokens import first_valid_key, pool_token_indices, select_tokens
 
 from ..cache import read_pages, write_latents, write_pages
+from ..errors import InputError
 from ..sharding import shard_mapped
 from .common import layer_norm, linear, rms_norm
 
@@ -141,7 +142,7 @@ def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None,
     if "indexer" in p:
         indices = indexer_select(p["indexer"], h, q_resid, key_valid, config, implementation, interpret, layout)
     elif shared_indices is None:
-        raise ValueError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
+        raise InputError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
     else:
         indices = shared_indices
     o_lat = attend_selected(p, q_resid, latents, indices, config, implementation, interpret, layout)
@@ -197,7 +198,7 @@ def dsa_layer_cached(
         rows = jnp.pad(rows, [(0, 0), (0, lc["selected"].shape[1] - rows.shape[1])], constant_values=-1)
         lc["selected"] = jnp.where((end > start)[:, None], rows, lc["selected"])
     elif shared_indices is None:
-        raise ValueError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
+        raise InputError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
     else:
         indices = shared_indices
     # The attention reads only the selected rows, through the page table, dequantising them itself.

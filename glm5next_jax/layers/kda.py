@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import kda as kda_core
 
+from ..errors import InputError
 from ..sharding import shard_mapped
 from .common import inverse_rms, linear
 
@@ -57,7 +58,7 @@ def scan_implementation(config, implementation):
     if bounded:
         return implementation
     if implementation == "pallas":
-        raise ValueError(
+        raise InputError(
             f"the Pallas KDA scan needs gates bounded below by {kda_core.MIN_GATE}; this config's "
             f"linear_lower_bound is {config.linear_lower_bound}: use implementation='reference'"
         )

@@ -58,7 +58,7 @@ def test_info_of_the_released_config():
 def test_bad_input_is_a_clear_error():
     result = subprocess.run([sys.executable, "-m", "glm5next_jax", "generate", "--ids", "5 99999"], cwd=ROOT,
                             capture_output=True, text=True)
-    assert result.returncode == 2 and "input_ids must lie in [0, 512)" in result.stderr
+    assert result.returncode == 2 and "prompts[0] must lie in [0, 512), got values in [5, 99999]" in result.stderr
 
 
 def test_generate_keeps_its_compiled_programs_for_the_next_run(tmp_path):

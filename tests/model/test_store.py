@@ -1,8 +1,17 @@
-"""Orbax: bit-exact round trips of params and caches, restored onto a given sharding."""
+"""Orbax: bit-exact round trips of params and caches, restored onto a given sharding; saves killed
+part way leave the previous checkpoint or the new one."""
+
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
-from conftest import SHIPPED, load_model
+import pytest
+from conftest import ROOT, SHIPPED, load_model, record
 
 import glm5next_jax
 from glm5next_jax.cache import cache_axes
@@ -35,3 +44,78 @@ def test_fp8_cache_round_trip(tmp_path):
     assert_identical(cache, restore_cache(tmp_path / "cache"))
     shardings = make_layout("3d").shardings(cache_axes(cache))
     assert_identical(cache, restore_cache(tmp_path / "cache", shardings=shardings))
+
+
+SAVE_AND_REPORT = r"""
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+import glm5next_jax
+from glm5next_jax.params import param_shapes
+from glm5next_jax.store import save_params
+config = glm5next_jax.Config.from_hf(sys.argv[1])
+with np.load(sys.argv[3]) as leaves:
+    values = [jnp.asarray(leaves[f"leaf{i}"]) for i in range(len(leaves.files))]
+params = jax.tree.unflatten(jax.tree.structure(param_shapes(config, "float32")), values)
+jax.block_until_ready(params)
+print("start", flush=True)
+start = time.perf_counter()
+save_params(sys.argv[2], params, config)
+print("done", time.perf_counter() - start, flush=True)
+"""
+
+
+def saving_process(path, leaves):
+    """A process that saves the params in the file `leaves` (their leaves in order) to `path`, once it
+    has said "start"."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", SAVE_AND_REPORT, SHIPPED, str(path), str(leaves)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "start", proc.stderr.read()[-3000:]
+    return proc
+
+
+def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
+    """Saves over a checkpoint killed (SIGKILL) at 24 moments spread over a save's duration: after
+    each, the checkpoint restores bit for bit to what was there before or to what was being saved,
+    never neither; no partial folder is read."""
+    config = glm5next_jax.Config.from_hf(SHIPPED)
+    by_seed = {seed: glm5next_jax.init_params(config, jax.random.key(seed), dtype="float32") for seed in (0, 1)}
+    leaves = {seed: tmp_path / f"leaves{seed}.npz" for seed in by_seed}
+    for seed, file in leaves.items():
+        np.savez(file, **{f"leaf{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(by_seed[seed]))})
+    path = tmp_path / "ckpt"
+    full = saving_process(path, leaves[0])
+    duration = float(full.stdout.readline().split()[1])
+    assert full.wait() == 0
+    held, outcomes = 0, collections.Counter()
+    for i, fraction in enumerate(np.linspace(0.0, 1.5, 24)):
+        seed = 1 - held
+        proc = saving_process(path, leaves[seed])
+        time.sleep(fraction * duration)
+        proc.kill()
+        proc.wait()
+        _, restored = restore_params(path)
+        equal = [s for s in (held, seed) if all(
+            np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(by_seed[s]), strict=True))]
+        assert equal, f"kill {i} at {fraction * duration:.3f} s of a {duration:.3f} s save: neither checkpoint restored"
+        outcomes["new" if equal[0] == seed else "old"] += 1
+        held = equal[0]
+    record(f"killed saves ({duration:.2f} s each): old kept / new complete", outcomes["old"] / max(outcomes["new"], 1))
+    assert outcomes["old"] and outcomes["new"], outcomes  # the kills fell both before and after the switch
+
+
+def test_a_partial_folder_is_never_restored(tmp_path):
+    """A save killed before its switch leaves `.NAME.partial` beside the checkpoint; a restore of
+    NAME reads the complete one, and a restore of a folder without the metadata is refused."""
+    config = glm5next_jax.Config.from_hf(SHIPPED)
+    params = glm5next_jax.init_params(config, jax.random.key(0), dtype="float32")
+    save_params(tmp_path / "ckpt", params, config)
+    shutil.copytree(tmp_path / "ckpt" / "params", tmp_path / ".ckpt.partial" / "params")
+    assert_identical(params, restore_params(tmp_path / "ckpt")[1])
+    with pytest.raises(FileNotFoundError, match=r"\.ckpt\.partial is not a checkpoint written by save_params"):
+        restore_params(tmp_path / ".ckpt.partial")
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        restore_params(tmp_path / "missing")
+    save_params(tmp_path / "ckpt", params, config)  # the next save removes what a killed one left
+    assert not (tmp_path / ".ckpt.partial").exists()
