@@ -171,8 +171,12 @@ def cli_error(*args):
 
 
 def test_the_cli_names_bad_input_in_one_line_before_any_work(tmp_path):
+    damaged = copied_checkpoint(tmp_path / "damaged")
+    shard = shard_of(damaged, EMBED)
+    shard.write_bytes(shard.read_bytes()[:1000])
     (tmp_path / "a_file").write_text("x")
     cases = [
+        (("generate", "--ids", "5 6", "--checkpoint", str(damaged)), rf"{shard.name}: not a safetensors file"),
         (("generate", "--tokenizer", str(tmp_path / "none.json"), "--prompt", "hi"), "--tokenizer: no file at"),
         (("generate", "--tokenizer", str(tmp_path / "a_file"), "--prompt", "hi"), "is not a tokenizer.json"),
         (("generate", "--ids", "5 6", "--seed", str(2**70)), "seed must be in"),
@@ -188,4 +192,4 @@ def test_the_cli_names_bad_input_in_one_line_before_any_work(tmp_path):
         assert line.startswith(f"glm5next-jax {args[0]}: "), line
         assert re.search(message, line), (args, line)
     assert not (tmp_path / "a_file.partial").exists() and (tmp_path / "a_file").read_text() == "x"
-    assert os.listdir(tmp_path) == ["a_file"]
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "damaged"]
