@@ -24,8 +24,9 @@ from .sharding import host_values, shard_batch
 
 
 def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, implementation, interpret, layout):
+    """(streams, the new cache, each layer's internals as `forward` returns them)."""
     start = cache["lengths"]
-    layers = []
+    layers, internals = [], []
     indices = None
     for i, (p, lc) in enumerate(zip(params["layers"], cache["layers"])):
 
@@ -41,23 +42,32 @@ def _cached_layers(params, config: Config, streams, cache, valid, decode: bool, 
                 y, new_lc = kda_layer_cached(pa, h, config, lc, valid, implementation, interpret, layout)
             return y, (new_lc, None)
 
-        streams, (lc, indices) = decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
+        streams, (lc, indices), inside = decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
         layers.append(lc)
+        internals.append(inside if indices is None else dict(inside, selected=indices))
     new_cache = dict(cache, lengths=start + valid.sum(-1, dtype=jnp.int32), layers=layers)
     if layout is not None:  # the cache keeps its placement from step to step
         new_cache = jax.tree.map(layout.constrain, new_cache, cache_lib.cache_axes(new_cache))
-    return streams, new_cache
+    return streams, new_cache, internals
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret", "layout"))
-def _prefill(params, config: Config, ids, valid, offset, cache, implementation=None, interpret=False, layout=None):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret", "layout", "return_internals"))
+def _prefill(
+    params, config: Config, ids, valid, offset, cache, implementation=None, interpret=False, layout=None,
+    return_internals=False,
+):
     streams = embed(params, ids, config)
-    streams, cache = _cached_layers(params, config, streams, cache, valid, False, implementation, interpret, layout)
+    streams, cache, internals = _cached_layers(
+        params, config, streams, cache, valid, False, implementation, interpret, layout
+    )
     logits = final_logits(params, streams, config, layout)
     # Back to the caller's layout: compacted position i of row b was at offset[b] + i.
     t = ids.shape[1]
     back = (jnp.arange(t)[None] - offset[:, None]) % t
-    return jnp.take_along_axis(logits, back[..., None], axis=1), cache
+    uncompact = lambda x: jnp.take_along_axis(x, back.reshape(back.shape + (1,) * (x.ndim - 2)), axis=1)  # noqa: E731
+    if return_internals:
+        return uncompact(logits), cache, jax.tree.map(uncompact, internals)
+    return uncompact(logits), cache
 
 
 @functools.partial(
@@ -66,12 +76,17 @@ def _prefill(params, config: Config, ids, valid, offset, cache, implementation=N
 def _decode(params, config: Config, token_ids, cache, implementation=None, interpret=False, layout=None):
     streams = embed(params, token_ids[:, None], config)
     valid = jnp.ones(token_ids.shape + (1,), jnp.bool_)
-    streams, cache = _cached_layers(params, config, streams, cache, valid, True, implementation, interpret, layout)
+    streams, cache, _ = _cached_layers(params, config, streams, cache, valid, True, implementation, interpret, layout)
     return final_logits(params, streams, config, layout)[:, 0], cache
 
 
-def prefill(params, config: Config, ids, attention_mask, cache, *, implementation=None, interpret=False, layout=None):
-    """Append a chunk of tokens to every sequence of the cache; returns (logits [B, T, vocab], cache).
+def prefill(
+    params, config: Config, ids, attention_mask, cache, *, implementation=None, interpret=False, layout=None,
+    return_internals=False,
+):
+    """Append a chunk of tokens to every sequence of the cache; returns (logits [B, T, vocab], cache),
+    and each layer's internals as `forward` returns them when `return_internals` (with the cache's
+    latents: e.g. an fp8 cache's attention outputs).
 
     ids [B, T]; attention_mask [B, T] of 0/1 (None: all 1), each row left- or right-padded. Rows
     may add different numbers of tokens (a row of zeros adds none). On an empty cache this is the
@@ -88,7 +103,7 @@ def prefill(params, config: Config, ids, attention_mask, cache, *, implementatio
     valid = np.arange(ids.shape[1])[None] < n_new[:, None]
     inputs = [np.asarray(ids, np.int32), valid, np.asarray(offset, np.int32)]
     inputs = [jnp.asarray(x) if layout is None else shard_batch(x, layout) for x in inputs]
-    return _prefill(params, config, *inputs, cache, implementation, bool(interpret), layout)
+    return _prefill(params, config, *inputs, cache, implementation, bool(interpret), layout, bool(return_internals))
 
 
 def decode_step(params, config: Config, token_ids, cache, *, implementation=None, interpret=False, layout=None):

@@ -11,8 +11,8 @@ from .errors import InputError
 from .layers import hyper
 from .layers.common import PRECISION, rms_norm
 from .layers.dsa import dsa_layer
-from .layers.kda import kda_layer
-from .layers.mlp import dense_mlp, moe
+from .layers.kda import gate_log_decay, kda_layer
+from .layers.mlp import dense_mlp, moe, route
 from .sharding import shard_batch
 
 STREAMS = ("batch", "sequence", None, "embed")  # the mHC streams [B, T, hc_mult, D] between layers
@@ -23,22 +23,29 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
 
     attend(attn_params, h) -> (y, aux) runs the attention sublayer (cached or not, KDA or DSA);
     implementation and interpret pick the MoE's grouped GEMM (as in `forward`), layout its experts'
-    split; returns (streams, aux).
+    split; returns (streams, aux, internals). internals (see `forward`'s return_internals) are what
+    the layer computes inside; a caller that drops them costs nothing under jit.
     """
     if layout is not None:
         streams = layout.constrain(streams, STREAMS)
     pre, post, comb = hyper.mapping(p["attn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["input_norm"], config.rms_norm_eps)
     y, aux = attend(p["attn"], h)
+    internals = {"attention_mixing": {"pre": pre, "post": post, "comb": comb}, "attention_output": y}
+    if config.layer_types[layer] != DSA:
+        internals["forget_gate"] = gate_log_decay(p["attn"], h, config)
     streams = hyper.expand(post, comb, y, streams)
 
     pre, post, comb = hyper.mapping(p["ffn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["post_attention_norm"], config.rms_norm_eps)
+    internals["mlp_mixing"] = {"pre": pre, "post": post, "comb": comb}
     if config.mlp_layer_types[layer] == "sparse":
         y = moe(p["mlp"], h, config, implementation, interpret, layout)
+        weights, experts = route(p["mlp"], h.reshape(-1, h.shape[-1]), config)
+        internals["routing"] = {"weights": weights.reshape(*h.shape[:-1], -1), "experts": experts.reshape(*h.shape[:-1], -1)}
     else:
         y = dense_mlp(p["mlp"], h, config)
-    return hyper.expand(post, comb, y, streams), aux
+    return hyper.expand(post, comb, y, streams), aux, internals
 
 
 def uncached_attention(
@@ -68,18 +75,26 @@ def embed(params, input_ids, config: Config):
     return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], config.hc_mult, x.shape[-1]))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret", "layout"))
-def _forward(params, config: Config, input_ids, attention_mask, implementation=None, interpret=False, layout=None):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret", "layout", "return_internals"))
+def _forward(
+    params, config: Config, input_ids, attention_mask, implementation=None, interpret=False, layout=None,
+    return_internals=False,
+):
     padding_mask = attention_mask.astype(jnp.bool_)
     streams = embed(params, input_ids, config)
-    indices = None
+    indices, internals = None, []
     for i, p in enumerate(params["layers"]):
         attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout)
-        streams, indices = decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
-    return final_logits(params, streams, config, layout)
+        streams, indices, inside = decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
+        internals.append(inside if indices is None else dict(inside, selected=indices))
+    logits = final_logits(params, streams, config, layout)
+    return (logits, internals) if return_internals else logits
 
 
-def forward(params, config: Config, input_ids, attention_mask=None, *, implementation=None, interpret=False, layout=None):
+def forward(
+    params, config: Config, input_ids, attention_mask=None, *, implementation=None, interpret=False, layout=None,
+    return_internals=False,
+):
     """Logits [B, T, vocab] (fp32) for int token ids [B, T] and an optional 0/1 mask [B, T].
 
     Padding may be on the left or the right; padded positions get logits but they carry no meaning.
@@ -88,6 +103,13 @@ def forward(params, config: Config, input_ids, attention_mask=None, *, implement
     backend, None then choosing as on a GPU (`pallas_kernels.common.pick_implementation`).
     layout (`sharding.Layout`): the mesh the params are placed on (`shard_params`); the batch is split
     as its rules say, and every kernel runs on its own shards (None: one device).
+
+    return_internals: also return what each layer computes inside, for analysis and plots: a list
+    with a dict per layer of `attention_mixing` and `mlp_mixing` (mHC's pre [B, T, n], post [B, T, n]
+    and Sinkhorn-normalised comb [B, T, n, n] around each sublayer), `attention_output` [B, T, D],
+    `forget_gate` (KDA layers: the per-channel log decay g [B, T, H, dk]), `selected` (DSA layers:
+    each query's selected token indices [B, T, W], -1 for none; a shared layer's are its
+    neighbour's) and `routing` (MoE layers: `weights` and `experts` [B, T, k]).
     """
     check_token_batch(input_ids, attention_mask, config.vocab_size)
     input_ids = jnp.asarray(input_ids)
@@ -97,7 +119,7 @@ def forward(params, config: Config, input_ids, attention_mask=None, *, implement
     input_ids, attention_mask = input_ids.astype(jnp.int32), jnp.asarray(attention_mask)
     if layout is not None:
         input_ids, attention_mask = shard_batch(input_ids, layout), shard_batch(attention_mask, layout)
-    return _forward(params, config, input_ids, attention_mask, implementation, bool(interpret), layout)
+    return _forward(params, config, input_ids, attention_mask, implementation, bool(interpret), layout, bool(return_internals))
 
 
 def check_token_batch(input_ids, attention_mask, vocab_size):
