@@ -1,31 +1,36 @@
 """How long XLA takes to compile the model's decode step on the GPU, kernels path, from abstract
 shapes (no prefill, no data): bench/model_gpu.py's wider configs, batch 8 over 4096 + 64 cached.
-Each compile runs in a child process under a time limit, so that one that hangs (the twenty-ninth
-session saw the dense config's step not compiled after 380 s) leaves the others measured.
+Each compile runs in a child process under a time limit, so that one that hangs leaves the others
+measured (a compile that priority fusion stalls in can take many minutes).
 
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/decode_compile.py [--mlps dense,moe] [--settings defaults,...]
-        [--limit 150] [--dump DIR]
+    python -m bench.decode_compile [--mlps dense,moe] [--settings defaults,...] [--limit 150] [--dump DIR]
+        [--results bench/results.jsonl]
 
 With --deviceless it compiles for a compile-only H200 on a machine without a GPU (the GEMM
 autotuner off, as it runs its candidates on the GPU), in an environment with JAX's CUDA plugin:
     PYENV_VERSION=3.12.1 python3.12 -m venv .venv-gpu-compile
     .venv-gpu-compile/bin/pip install "jax[cuda12]==0.11.2" -e .
-    PYTHONPATH=$PWD:$PWD/bench .venv-gpu-compile/bin/python bench/decode_compile.py --deviceless --mlps dense
+    .venv-gpu-compile/bin/python -m bench.decode_compile --deviceless --mlps dense
 
-Copied into a checkout of another commit (bench/stage_branches.sh) and run there, it compiles that
-commit's step: it needs only `model_gpu.wider_config` and `inference._decode(params, config,
-token_ids, cache, implementation)` beside it. Settings (`SETTINGS`): XLA's defaults, the GEMM autotuner
-off (`xla_gpu_autotune_level` 0, which tells an autotuning stall from another), and cuBLAS for every
-dot (no Triton GEMM fusions). With --dump DIR, XLA writes the module after each of its passes under
+It needs only `model_gpu.wider_config` and `inference._decode(params, config, token_ids, cache,
+implementation)`, so copied into a checkout of another commit (tools/stage_branches.sh) it compiles
+that commit's step. Settings (`SETTINGS`): XLA's defaults, the GEMM autotuner off
+(`xla_gpu_autotune_level` 0, which tells an autotuning stall from another), and cuBLAS for every dot
+(no Triton GEMM fusions). With --dump DIR, XLA writes the module after each of its passes under
 DIR/<config>-<setting>/, and a compile cut by the limit is reported with the last files written
-(the pass where it stalled).
+(the pass where it stalled). Rows for bench/results.jsonl: op `decode_compile` per config and
+setting, in seconds (ours: XLA's compile; `lowering_s` beside it); a deviceless run's rows name a
+compile-only device.
 """
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+
+from bench.common import ROOT, Results, add_results_argument
 
 SETTINGS = {  # --settings picks among them by name (all by default)
     "defaults": {},
@@ -51,6 +56,9 @@ device_description_str: "NVIDIA H200"
 """
 
 
+DEVICELESS = "compile-only NVIDIA H200 (no GPU)"
+
+
 def compile_only_h200():
     """A sharding on a compile-only H200 (no GPU needed; JAX's CUDA plugin must be installed), with
     that device made JAX's default, so that the Pallas kernels lower for it."""
@@ -68,14 +76,15 @@ def compile_only_h200():
 
 
 def compile_seconds(mlps, options, deviceless=False):
-    """Seconds to lower and compile `inference._decode` for `mlps`' config with `options`."""
+    """(seconds to lower, seconds to compile, device) of `inference._decode` for `mlps`' config with
+    `options`."""
     if deviceless:
         os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # the plugin's checks need a driver
     import jax
     import jax.numpy as jnp
-    from model_gpu import wider_config
 
     import glm5next_jax
+    from bench.model_gpu import wider_config
     from glm5next_jax import inference
 
     sharding = compile_only_h200() if deviceless else None
@@ -95,7 +104,8 @@ def compile_seconds(mlps, options, deviceless=False):
     if deviceless:  # the autotuner runs candidates on a GPU
         options = dict({"xla_gpu_autotune_level": 0}, **options)
     lowered.compile(compiler_options=options)
-    return lowered_s, time.perf_counter() - start - lowered_s
+    device = DEVICELESS if deviceless else jax.devices()[0].device_kind
+    return lowered_s, time.perf_counter() - start - lowered_s, device
 
 
 def last_passes(dump_dir, n=3):
@@ -107,40 +117,54 @@ def last_passes(dump_dir, n=3):
 
 
 def main():
-    args = sys.argv[1:]
-    if args[:1] == ["--one"]:  # the child: one config and setting, seconds as JSON on the last line
-        print(json.dumps(compile_seconds(args[1], json.loads(args[2]), deviceless="--deviceless" in args)))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mlps", default="dense,moe", help="the wider configs: dense, moe or both")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"XLA settings by name, among {list(SETTINGS)}")
+    parser.add_argument("--limit", type=float, default=150.0, help="seconds a compile may take")
+    parser.add_argument("--dump", metavar="DIR", help="XLA's per-pass dumps here")
+    parser.add_argument("--deviceless", action="store_true", help="compile for a compile-only H200 (no GPU)")
+    parser.add_argument("--one", nargs=2, metavar=("MLPS", "OPTIONS"), help=argparse.SUPPRESS)
+    add_results_argument(parser)
+    args = parser.parse_args()
+    if args.one:  # the child: one config and setting, its seconds as JSON on the last line
+        print(json.dumps(compile_seconds(args.one[0], json.loads(args.one[1]), deviceless=args.deviceless)))
         return
-    mlps_configs = args[args.index("--mlps") + 1].split(",") if "--mlps" in args else ["dense", "moe"]
-    limit = float(args[args.index("--limit") + 1]) if "--limit" in args else 150.0
-    dump = args[args.index("--dump") + 1] if "--dump" in args else None
-    deviceless = "--deviceless" in args
-    # Deviceless, the autotuner is off in every setting (compile_seconds), so that one is the defaults.
-    chosen = args[args.index("--settings") + 1].split(",") if "--settings" in args else list(SETTINGS)
+    chosen = args.settings.split(",")
     unknown = set(chosen) - set(SETTINGS)
     if unknown:
         raise SystemExit(f"--settings takes names among {list(SETTINGS)}, got {sorted(unknown)}")
-    settings = {name: SETTINGS[name] for name in chosen if not (deviceless and name == "autotuner-off")}
+    # Deviceless, the autotuner is off in every setting (compile_seconds), so that one is the defaults.
+    settings = {name: SETTINGS[name] for name in chosen if not (args.deviceless and name == "autotuner-off")}
+    if args.deviceless:
+        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # for the children: the plugin's checks need a driver
+    results = None  # made once a child has said which device it compiled for (this process leaves the GPU alone)
     print("| config | setting | lowering s | XLA compile s |\n|---|---|---|---|", flush=True)
-    for mlps in mlps_configs:
+    for mlps in args.mlps.split(","):
         for name, options in settings.items():
-            dump_dir = os.path.join(dump, f"{mlps}-{name}") if dump else None
+            dump_dir = os.path.join(args.dump, f"{mlps}-{name}") if args.dump else None
             if dump_dir:
                 options = dict(options, xla_dump_to=dump_dir, xla_dump_hlo_pass_re=".+")  # ".*": changed passes only
             try:
                 done = subprocess.run(
-                    [sys.executable, __file__, "--one", mlps, json.dumps(options)] + ["--deviceless"] * deviceless,
-                    capture_output=True, text=True, timeout=limit,
+                    [sys.executable, "-m", "bench.decode_compile", "--one", mlps, json.dumps(options)]
+                    + ["--deviceless"] * args.deviceless,
+                    capture_output=True, text=True, timeout=args.limit, cwd=ROOT,
                 )
             except subprocess.TimeoutExpired:
-                print(f"| {mlps} | {name} | | not done in {limit:.0f} s{last_passes(dump_dir)} |", flush=True)
+                print(f"| {mlps} | {name} | | not done in {args.limit:.0f} s{last_passes(dump_dir)} |", flush=True)
                 continue
             if done.returncode:
                 errors = [line for line in done.stderr.splitlines() if "Error" in line] or done.stderr.splitlines()[-1:]
                 print(f"| {mlps} | {name} | | failed: {errors[-1][:200]} |", flush=True)
                 continue
-            lowered_s, compile_s = json.loads(done.stdout.strip().splitlines()[-1])
+            lowered_s, compile_s, device = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"| {mlps} | {name} | {lowered_s:.1f} | {compile_s:.1f} |", flush=True)
+            results = results or Results(args.results, device=device)
+            results.add(
+                "decode_compile", f"{mlps} MLPs" + ("" if name == "defaults" else f", {name}"), compile_s, unit="s",
+                metric="XLA compile s of the decode step (kernels path, batch 8 over 4096 cached), from abstract shapes",
+                lowering_s=lowered_s,
+            )
 
 
 if __name__ == "__main__":

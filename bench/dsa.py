@@ -8,16 +8,18 @@ the same runs of P tokens a trained indexer picks; a query that sees at most 205
 all). Prefill: B = 1, every query of T over the same T keys (bf16). Decode: B sequences, one query
 each at the end of S cached keys, read from an fp8 e4m3 paged cache (64-token pages in shuffled
 order, per-token scales) as the model's decode step reads it; the reference dequantises the whole
-cache densely, as the model did before the kernel.
+cache densely (what a decode step without the kernel reads).
 
-Times are medians of 20 jitted calls dispatched back to back (`kda.dispatched_ms`), per call. The
-roofline is max(FLOPs / 705 TFLOP/s, gathered bytes / 4.3 TB/s): FLOPs = 4 H R per selected token
-(scores and output), gathered bytes = 2 R per selected token read once per query (in prefill most of
-them from L2: neighbouring queries share pools). Errors are max|d| / max|ref| against the
-reference in fp32 (over the last 512 queries where the reference over all of them is too slow).
+Times are medians of 20 jitted calls dispatched back to back (`common.dispatched_ms`), per call.
+The roofline is max(FLOPs / `common.MATMUL`, gathered bytes / `common.HBM`): FLOPs = 4 H R per
+selected token (scores and output), gathered bytes = 2 R per selected token read once per query (in
+prefill most of them from L2: neighbouring queries share pools). Errors are max|d| / max|ref|
+against the reference in fp32 (over the last 512 queries where the reference over all of them is too
+slow). Rows for bench/results.jsonl: op `latent_attention` per case (ours: the default
+`KernelConfig`; baseline: the reference, timed up to 4096 queries).
 
-On the GPU machine, from the repository root:
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/dsa.py [--configs 64x8x2,32x4x2] [--cases prefill4096,decode8]
+    python -m bench.dsa [--configs 64x8x2,32x4x2] [--cases prefill4096,decode8] [--skip-check]
+        [--skip-reference-time] [--results bench/results.jsonl]
 """
 
 import argparse
@@ -25,12 +27,11 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kda import dispatched_ms, log, relative_error
 
+from bench.common import HBM, MATMUL, Results, add_results_argument, dispatched_ms, log, relative_error
 from pallas_kernels import latent_attention as la
 from pallas_kernels.select_tokens import select_tokens_reference
 
-MATMUL, HBM = 705e12, 4.3e12
 HEADS, R, TOPK, POOL, PAGE = 64, 512, 2048, 4, 64
 CASES = {  # name: (B, T queries, S keys)
     "prefill4096": (1, 4096, 4096),
@@ -88,7 +89,8 @@ def check():
         kw = dict(scale=r**-0.5, page_table=page_table, latent_scales=scales)
         want = la.sparse_latent_attention_reference(q, pages, idx, **kw)
         got = la.sparse_latent_attention(q, pages, idx, implementation="pallas", **kw)
-        log(f"| paged {jnp.dtype(dtype).name}, scaled ({b}, {t}, {h}, {r}, {pages_per_seq * page}, 100) | {relative_error(got, want):.2e} | |")
+        log(f"| paged {jnp.dtype(dtype).name}, scaled ({b}, {t}, {h}, {r}, {pages_per_seq * page}, 100) |"
+            f" {relative_error(got, want):.2e} | |")
 
 
 def parse_config(text):
@@ -97,14 +99,22 @@ def parse_config(text):
     return la.KernelConfig(block_tokens=tokens, num_warps=warps, num_stages=stages, splits=splits[0] if splits else None)
 
 
+def config_name(config):
+    """`parse_config`'s inverse."""
+    splits = "" if config.splits is None else f"x{config.splits}"
+    return f"{config.block_tokens}x{config.num_warps}x{config.num_stages}{splits}"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default="64x8x2,64x8x2x1,64x8x3,64x16x2")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--skip-reference-time", action="store_true")
     parser.add_argument("--skip-check", action="store_true")
+    add_results_argument(parser)
     args = parser.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",") if c]
+    results = Results(args.results)
     log(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     if not args.skip_check:
         check()
@@ -135,11 +145,13 @@ def main():
             q[:, checked].astype(jnp.float32), latents.astype(jnp.float32), indices[:, checked]
         )
         source = pages if paged else latents  # what the kernel and the timed reference read
+        reference_ms, timed = None, {}
         if not args.skip_reference_time and t <= 4096:
             ref = jax.jit(lambda q, l, i, p: la.sparse_latent_attention_reference(q, l, i, scale=scale, **p))
-            ms = dispatched_ms(ref, q, source, indices, paged, n=3, reps=3)
-            log(f"| {name} ({b}, {t}, {s}) | reference (XLA, dense masked) | {ms:.3f} | {flops / ms / 1e9:.1f} | {roofline:.3f} | |")
-        for config in configs:
+            reference_ms = ms = dispatched_ms(ref, q, source, indices, paged, n=3, reps=3)
+            log(f"| {name} ({b}, {t}, {s}) | reference (XLA, dense masked) | {ms:.3f} | {flops / ms / 1e9:.1f} |"
+                f" {roofline:.3f} | |")
+        for config in configs if la.KernelConfig() in configs else [la.KernelConfig()] + configs:
             fn = jax.jit(
                 lambda q, l, i, p, config=config: la.sparse_latent_attention(
                     q, l, i, scale=scale, implementation="pallas", config=config, distinct_indices=True, **p
@@ -152,9 +164,19 @@ def main():
             except Exception as e:  # a config that does not compile: say so and go on
                 log(f"| {name} ({b}, {t}, {s}) | kernel {config} | failed: {type(e).__name__}: {str(e)[:200]} | | | |")
                 continue
+            timed[config] = (ms, err)
             log(f"| {name} ({b}, {t}, {s}) | kernel {config} | {ms:.3f} | {flops / ms / 1e9:.1f} | {roofline:.3f} | {err:.2e} |")
+        if la.KernelConfig() in timed:
+            ms, err = timed[la.KernelConfig()]
+            label = f"decode B={b} over {s} cached, fp8 paged" if paged else f"prefill B={b} T={t}"
+            results.add(
+                "latent_attention", label, ms, metric="median ms a call, 20 jitted calls dispatched back to back",
+                baselines={"reference (dense masked scores)": reference_ms}, roofline=roofline, error=err,
+                configs={config_name(config): ms for config, (ms, _) in timed.items() if config != la.KernelConfig()},
+            )
         fn = jax.jit(lambda q, l, i, p: la.sparse_latent_attention(q, l, i, scale=scale, implementation="pallas", **p))
-        log(f"| {name} ({b}, {t}, {s}) | kernel, repeats marked (sort) | {dispatched_ms(fn, q, source, indices, paged):.3f} | | | |")
+        ms = dispatched_ms(fn, q, source, indices, paged)
+        log(f"| {name} ({b}, {t}, {s}) | kernel, repeats marked (sort) | {ms:.3f} | | | |")
 
 
 if __name__ == "__main__":

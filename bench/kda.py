@@ -1,38 +1,57 @@
 """KDA on the GPU: our Pallas kernels against the pure-jnp reference and the peers, in one run.
 
-Prefill: `kda_chunk_scan` (Pallas Mosaic GPU: the intra kernel, then the chain) vs fla-core 0.6.0 `chunk_kda` (Triton, torch) and
-jla 0.1.0 `kda` (Pallas Mosaic GPU) at (B, T, H) = (1, 16384, 16), (1, 8192, 64), (8, 4096, 16), D = 128.
-Decode: the step (conv + gate + state update) at batch 1, 64, 256 with H = 64 in both of
-`kda_decode_step`'s forms (the fused Triton step, `64x4`; the Triton token vectors then the Mosaic
-GPU update, `m32`) vs the state-bytes roofline and fla's `fused_recurrent_kda_fwd` (core update only,
-as probe_kda_decode.py).
+    python -m bench.kda [--configs default,v32] [--skip check,prefill,decode] [--no-peers]
+        [--prefill-shapes "1,16384,16;..."] [--decode-batches 1,64,256] [--decode-variants 64x4,m32]
+        [--results bench/results.jsonl]
+
+Prefill: `kda_chunk_scan` (Pallas Mosaic GPU: the intra kernel, then the chain) against fla-core
+0.6.0 `chunk_kda` (Triton, torch) and jla 0.1.0 `kda` (Pallas Mosaic GPU) at (B, T, H) =
+(1, 16384, 16), (1, 8192, 64), (8, 4096, 16), D = 128. Decode: the step (conv, gate and state
+update) at batch 1, 64, 256 with H = 64 in both of `kda_decode_step`'s forms (the fused Triton step,
+`64x4`; the Triton token vectors then the Mosaic GPU update, `m32`) against the state-bytes roofline,
+XLA's in-place pass over the state and fla's `fused_recurrent_kda_fwd` (the core update only).
 
 Errors are max|d| / max|ref| against the reference on the same bf16 inputs (the reference in fp32,
-HIGHEST precision). Times are medians: ours and jla's prefill as 20 jitted calls dispatched back to
-back (`dispatched_ms`; the time in a jitted loop, where XLA may hoist loop-invariant work, is printed
-beside it), fla's prefill with triton.testing.do_bench. Decode steps are measured by the kernel's
-own GPU time, read from a profiler trace (CUPTI) of 20 steps back to back (`kernel_ms` for ours and
-XLA's in-place pass, `torch_kernel_ms` for fla): the time a decoder's step costs inside a larger
-program. Beside it, the wall time per step of 20 calls unrolled in one jit (`chain_ms`) or captured
-in one CUDA graph (`torch_chain_ms`), which adds the dispatch of the whole chain (~20 us a step for
-ours at n = 20, ~1 us for fla's graph).
+HIGHEST precision). Prefill times: ours and jla's as 20 jitted calls dispatched back to back
+(`common.dispatched_ms`; the time in a jitted loop, where XLA may hoist loop-invariant work, is
+printed beside it), fla's with triton.testing.do_bench (median). Decode steps: the kernels' own GPU
+time in a profiler trace of 20 steps back to back (`common.kernel_ms`, `common.torch_kernel_ms` for
+fla), the time a decoder's step costs inside a larger program; beside it the wall time a step of 20
+unrolled in one jit (`common.chain_ms`) or captured in one CUDA graph (`common.torch_chain_ms`).
 
-On the GPU machine, from the repository root, with the peers' wheels in .peers/:
+Rows for bench/results.jsonl: op `kda_prefill` per shape (ours: the default config; peers: fla, jla)
+and `kda_decode` per batch (ours: the form `kda_decode_step` dispatches; peer: fla; baseline: XLA's
+pass over the state; roofline: the state read and written once at `common.HBM`).
+
+The peers come as wheels (../shared/peers/), installed on the GPU machine from a folder carried
+with the tree:
     python3 -m pip install -q --no-index --no-deps --target .peers-site .peers/*.whl
-    PYTHONPATH=$PWD:$PWD/.peers-site python3 bench/kda.py
+    PYTHONPATH=$PWD/.peers-site python3 -m bench.kda
 """
 
 import argparse
-import statistics
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from pallas_kernels import decode_fused_triton, decode_update_mosaic, kda, prefill_intra_mosaic
+from bench.common import (
+    HBM,
+    Results,
+    add_results_argument,
+    chain_ms,
+    dispatched_ms,
+    kernel_ms,
+    log,
+    loop_ms,
+    relative_error,
+    torch_chain_ms,
+    torch_kernel_ms,
+)
+from pallas_kernels import kda
+from pallas_kernels.kda import decode_fused_triton, decode_update_mosaic, prefill_intra_mosaic
 
 PREFILL_SHAPES = [(1, 16384, 16, 128), (1, 8192, 64, 128), (8, 4096, 16, 128)]
 DECODE_BATCHES = [1, 64, 256]
@@ -54,121 +73,7 @@ DECODE_VARIANTS = "64x4,m32"  # see --decode-variants
 ROWS = []  # (section, name, shape, error, ms, note)
 INTERPRET = False  # --interpret: a CPU smoke run of this script on tiny shapes
 PEERS = True
-
-
-def log(*args):
-    print(*args, flush=True)
-
-
-def relative_error(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if not np.isfinite(got).all():
-        return float("nan")
-    return float(np.abs(got - want).max() / np.abs(want).max())
-
-
-def per_call_ms(run, n, reps):
-    """Median wall time of `run()` (n calls, finished when it returns) over `reps` runs, per call in
-    ms; one run first to compile and warm up."""
-    run()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n * 1e3
-
-
-def loop_ms(step, carry, n=10, reps=5):
-    """Per-call time of `step`, run n times in one jitted fori_loop (dispatch amortised)."""
-    loop = jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c))
-    return per_call_ms(lambda: jax.block_until_ready(loop(carry)), n, reps)
-
-
-def dispatched_ms(fn, *args, n=20, reps=5):
-    """Per-call time of n calls of the jitted `fn` on the same arguments, dispatched back to back
-    (JAX dispatches asynchronously, so the GPU runs them one after another and the host's time is
-    hidden behind calls of a millisecond or more). Each call computes everything from its inputs;
-    in `loop_ms`'s fori_loop XLA may hoist whatever depends only on loop-invariant inputs (for a
-    scan timed with only beta varying: the gates' cumsum)."""
-
-    def run():  # only the last call's outputs are kept alive, as a caller's loop would
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-
-    return per_call_ms(run, n, reps)
-
-
-def chain_ms(call, carry, n=20, reps=7):
-    """Per-call time of n calls of `call(*carry) -> carry` unrolled in one jit, the carry donated:
-    back-to-back launches, without the host round trip that XLA's while loop adds per iteration
-    (about 12 us on the H200, which is 6-10% of a decode step at batch 64)."""
-
-    def chain(carry):
-        for _ in range(n):
-            carry = call(*carry)
-        return carry
-
-    run = jax.jit(chain, donate_argnums=0)
-    state = [carry]
-
-    def run_chain():
-        state[0] = jax.block_until_ready(run(state[0]))
-
-    return per_call_ms(run_chain, n, reps)
-
-
-def kernel_ms(call, carry, name_part, n=20, per_part=None):
-    """Median GPU time of the kernels named `*name_part*` in n calls of `call(*carry) -> carry`
-    (name_part a tuple: the sum of each one's median, for a step of several kernels; each one's
-    (name, median) appended to the list `per_part` if given)
-    unrolled in one jit (the carry donated), read from a `jax.profiler` trace (CUPTI): the kernel's
-    own time, without the ~0.4 ms that dispatching and waiting for the whole jitted chain add to
-    `chain_ms` (~20 us a step at n = 20). A decoder's step inside a larger jitted program pays the
-    kernel's time, not that."""
-    import functools
-    import glob
-    import tempfile
-
-    run = jax.jit(lambda c: functools.reduce(lambda c, _: call(*c), range(n), c), donate_argnums=0)
-    carry = jax.block_until_ready(run(tuple(x + 0 for x in carry)))  # compile and warm up
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            jax.block_until_ready(run(carry))
-        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(path)
-    total = 0.0
-    for part in (name_part,) if isinstance(name_part, str) else name_part:
-        times = [
-            event.duration_ns / 1e6
-            for plane in data.planes if plane.name.startswith("/device:GPU")
-            for line in plane.lines for event in line.events if part in event.name
-        ]
-        if len(times) != n:
-            raise RuntimeError(f"expected {n} kernels named *{part}* in the trace, found {len(times)}")
-        total += statistics.median(times)
-        if per_part is not None:
-            per_part.append((part, statistics.median(times)))
-    return total
-
-
-def torch_kernel_ms(fn, name_part, n=20):
-    """Median GPU time of the CUDA kernels named `*name_part*` in n calls of `fn`, read from a
-    torch.profiler trace (CUPTI), as `kernel_ms` reads ours."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    times = [e.time_range.elapsed_us() / 1e3 for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA and name_part in e.name]
-    if len(times) != n:
-        raise RuntimeError(f"expected {n} kernels named *{name_part}* in the trace, found {len(times)}")
-    return statistics.median(times)
+RESULTS = None  # a common.Results where rows are written (none in --interpret runs)
 
 
 def prefill_inputs(b, t, h, d, seed=0):
@@ -186,8 +91,9 @@ def to_jax(q, k, v, g, beta):
 
 def check_small():
     """Ragged lengths, initial state, gates at the lower bound, T not a multiple of 64, a dense A_kk
-    (one repeated key, no decay, beta = 1: where the old doubling inverse overflowed), and a bf16 o
-    over more than one wave of the chain (its default there: 64 value columns, one slot of u)."""
+    (one repeated key, no decay, beta = 1: the inverse's hardest case, where an inverse by doubling
+    overflows), and a bf16 o over more than one wave of the chain (its default there: 64 value
+    columns, one slot of u)."""
     log("\n== small parity checks on the GPU (ours vs reference)")
     f32, bf16 = jnp.float32, jnp.bfloat16
     cases = [
@@ -218,7 +124,6 @@ def check_small():
 
 def bench_prefill(configs):
     log("\n== prefill")
-    results = {}
     for b, t, h, d in PREFILL_SHAPES:
         shape = f"B={b} T={t} H={h}"
         np_in = prefill_inputs(b, t, h, d)
@@ -228,31 +133,41 @@ def bench_prefill(configs):
         floor = relative_error(np.asarray(jnp.asarray(o_ref, jnp.bfloat16), np.float32), o_ref)
         log(f"{shape}: rounding the reference output to bf16 alone gives error {floor:.2e}")
         ROWS.append(("prefill", "reference rounded to bf16 (floor for bf16 o)", shape, floor, float("nan"), ""))
+        ours, errors = {}, {}
         for name, cfg in configs.items():
             try:
-                fn = jax.jit(lambda q, k, v, g, beta, cfg=cfg: kda.kda_chunk_scan(q, k, v, g, beta, implementation="pallas", interpret=INTERPRET, **cfg))
+                fn = jax.jit(lambda q, k, v, g, beta, cfg=cfg: kda.kda_chunk_scan(
+                    q, k, v, g, beta, implementation="pallas", interpret=INTERPRET, **cfg))
                 t0 = time.perf_counter()
                 o, s = fn(q, k, v, g, beta)
                 err = max(relative_error(o, o_ref), relative_error(s, s_ref))
                 compile_s = time.perf_counter() - t0
 
                 def step(c, cfg=cfg):
-                    o, s = kda.kda_chunk_scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, implementation="pallas", interpret=INTERPRET, **cfg)
+                    o, s = kda.kda_chunk_scan(q, k, v, g, beta + c.astype(beta.dtype) * 0, implementation="pallas",
+                                              interpret=INTERPRET, **cfg)
                     return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
 
                 ms = dispatched_ms(fn, q, k, v, g, beta)
                 loop = loop_ms(step, jnp.float32(0))
-                results[(shape, name)] = ms
+                ours[name], errors[name] = ms, err
                 log(f"ours {name:9s} {shape}: {ms:.3f} ms ({loop:.3f} in a loop with only beta varying)  err o/state"
                     f" {relative_error(o, o_ref):.2e}/{relative_error(s, s_ref):.2e}  (first call {compile_s:.0f}s)")
                 ROWS.append(("prefill", f"ours {name}", shape, err, ms, f"{loop:.3f} ms in a loop"))
             except Exception as e:
                 traceback.print_exc()
                 log(f"ours {name} {shape}: FAILED {type(e).__name__}")
-        split_timing(q, k, v, g, beta, shape)
-        if PEERS:
-            peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d)
-    return results
+        intra = split_timing(q, k, v, g, beta, shape)
+        peers = peers_prefill(np_in, o_ref, s_ref, shape, d) if PEERS else {}
+        if RESULTS is not None and "default" in ours:
+            RESULTS.add(
+                "kda_prefill", f"B={b} T={t} H={h} D={d}", ours["default"],
+                metric="median ms a call, 20 jitted calls dispatched back to back (fla: do_bench)",
+                peers={name: ms for name, (ms, _) in peers.items()},
+                error=errors["default"], bf16_floor=floor, intra_ms=intra,
+                peer_errors={name: err for name, (_, err) in peers.items()},
+                configs={name: ms for name, ms in ours.items() if name != "default"},
+            )
 
 
 def intra_ms(q, k, v, g, beta, interpret=False):
@@ -266,19 +181,25 @@ def intra_ms(q, k, v, g, beta, interpret=False):
 
 
 def split_timing(q, k, v, g, beta, shape):
+    """The intra kernel's time alone (None if it failed), logged with the bytes it moves."""
     b, t, h, d = q.shape
     try:
         ms = intra_ms(q, k, v, g, beta, INTERPRET)
-        # The intra kernel reads q (twice), k, v (bf16), g (fp32), beta and writes w and q_w (bf16),
-        # u, A_qk u and k exp(G_last - G) (bf16 halves), exp(G_last) once a chunk
-        byts = b * t * h * (4 * 2 * d + 4 * d + 4 + 2 * 2 * d + 3 * 4 * d + 4 * d // 64)
-        log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e6:.0f} GB/s of its {byts / 1e9:.2f} GB)")
-        ROWS.append(("prefill", "  ours: intra kernel alone", shape, float("nan"), ms, f"{byts / ms / 1e6:.0f} GB/s"))
     except Exception:
         traceback.print_exc()
+        return None
+    # The intra kernel reads q (twice), k, v (bf16), g (fp32), beta and writes w and q_w (bf16),
+    # u, A_qk u and k exp(G_last - G) (bf16 halves), exp(G_last) once a chunk
+    byts = b * t * h * (4 * 2 * d + 4 * d + 4 + 2 * 2 * d + 3 * 4 * d + 4 * d // 64)
+    log(f"   intra kernel alone: {ms:.3f} ms ({byts / ms / 1e6:.0f} GB/s of its {byts / 1e9:.2f} GB)")
+    ROWS.append(("prefill", "  ours: intra kernel alone", shape, float("nan"), ms, f"{byts / ms / 1e6:.0f} GB/s"))
+    return ms
 
 
-def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
+def peers_prefill(np_in, o_ref, s_ref, shape, d):
+    """{peer: (ms, error)} for fla's chunk_kda and jla's kda on the same inputs (q and k L2-normalised
+    in the peers' kernels, as ours does)."""
+    timed = {}
     try:
         import torch
         import triton
@@ -286,21 +207,19 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
 
         q, k, v, g, beta = (torch.from_numpy(x).cuda() for x in np_in)
         q, k, v, beta = q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16()
-        variants = {
-            "fla chunk_kda l2norm in kernel": lambda: chunk_kda(q, k, v, g, beta, scale=d**-0.5, output_final_state=True, use_qk_l2norm_in_kernel=True),
-        }
-        for name, fn in variants.items():
-            try:
-                o, s = fn()
-                err = float("nan")
-                if "l2norm" in name:
-                    err = max(relative_error(o.float().cpu().numpy(), o_ref), relative_error(s.float().cpu().numpy(), s_ref))
-                ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-                log(f"{name} {shape}: {ms:.3f} ms  err {err:.2e}")
-                ROWS.append(("prefill", name, shape, err, ms, ""))
-            except Exception as e:
-                traceback.print_exc()
-                log(f"{name} {shape}: FAILED {type(e).__name__}")
+        name = "fla chunk_kda"
+        fn = lambda: chunk_kda(  # noqa: E731
+            q, k, v, g, beta, scale=d**-0.5, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        try:
+            o, s = fn()
+            err = max(relative_error(o.float().cpu().numpy(), o_ref), relative_error(s.float().cpu().numpy(), s_ref))
+            ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+            timed[name] = (ms, err)
+            log(f"{name} {shape}: {ms:.3f} ms  err {err:.2e}")
+            ROWS.append(("prefill", name, shape, err, ms, "l2norm in kernel; do_bench"))
+        except Exception as e:
+            traceback.print_exc()
+            log(f"{name} {shape}: FAILED {type(e).__name__}")
         del q, k, v, g, beta
         torch.cuda.empty_cache()
     except Exception:
@@ -309,35 +228,49 @@ def peers_prefill(np_in, o_ref, s_ref, shape, b, t, h, d):
         from jla.ops.mosaic_gpu.kda import kda as jla_kda
 
         q, k, v, g, beta = to_jax(*np_in)
-        for name, kk, l2 in [("jla kda l2norm", k, True)]:
-            try:
-                fn = jax.jit(lambda q, k, v, g, b, l2=l2: jla_kda(q, k, v, g, b, scale=d**-0.5, output_final_state=True, use_qk_l2norm=l2))
-                o, s = fn(q, kk, v, g, beta)
-                err = max(relative_error(o, o_ref), relative_error(s, s_ref)) if l2 else float("nan")
+        name = "jla kda"
+        try:
+            fn = jax.jit(lambda q, k, v, g, b: jla_kda(q, k, v, g, b, scale=d**-0.5, output_final_state=True,
+                                                       use_qk_l2norm=True))
+            o, s = fn(q, k, v, g, beta)
+            err = max(relative_error(o, o_ref), relative_error(s, s_ref))
 
-                def step(c, l2=l2, kk=kk):
-                    o, s = jla_kda(q, kk, v, g, beta + c.astype(beta.dtype) * 0, scale=d**-0.5, output_final_state=True, use_qk_l2norm=l2)
-                    return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
+            def step(c):
+                o, s = jla_kda(q, k, v, g, beta + c.astype(beta.dtype) * 0, scale=d**-0.5, output_final_state=True,
+                               use_qk_l2norm=True)
+                return c + o[0, 0, 0, 0].astype(jnp.float32) * 0 + s[0, 0, 0, 0] * 0
 
-                ms = dispatched_ms(fn, q, kk, v, g, beta)
-                loop = loop_ms(step, jnp.float32(0))
-                log(f"{name} {shape}: {ms:.3f} ms ({loop:.3f} in a loop with only beta varying)  err {err:.2e}")
-                ROWS.append(("prefill", name, shape, err, ms, f"{loop:.3f} ms in a loop"))
-            except Exception as e:
-                traceback.print_exc()
-                log(f"{name} {shape}: FAILED {type(e).__name__}")
+            ms = dispatched_ms(fn, q, k, v, g, beta)
+            loop = loop_ms(step, jnp.float32(0))
+            timed[name] = (ms, err)
+            log(f"{name} {shape}: {ms:.3f} ms ({loop:.3f} in a loop with only beta varying)  err {err:.2e}")
+            ROWS.append(("prefill", name, shape, err, ms, f"{loop:.3f} ms in a loop"))
+        except Exception as e:
+            traceback.print_exc()
+            log(f"{name} {shape}: FAILED {type(e).__name__}")
     except Exception:
         traceback.print_exc()
+    return timed
 
 
-def bench_decode(hbm, variants, d=128):
+def dispatched_variant(b, h, d):
+    """The decode variant `kda.kda_decode_step` takes at these shapes, in `decode_variant`'s terms."""
+    state_bytes = b * h * d * d * 4
+    if d in decode_update_mosaic.STEP_HEAD_DIMS and state_bytes >= decode_update_mosaic.MIN_STATE_BYTES:
+        return "mosaic", decode_update_mosaic.BLOCK_V, 4
+    return 64, 4
+
+
+def bench_decode(variants, d=128):
     h, d = (2, 64) if INTERPRET else (64, d)
     log(f"\n== decode step, H={h} D={d}")
+    measured = {}  # batch -> {"xla": kernel ms, variant: (kernel ms, wall ms, error)}
     for b in DECODE_BATCHES:
         x = kda.random_decode_inputs(jax.random.key(0), b, h, d, state_scale=0.01)
         ref = kda.kda_decode_step_reference(**x, lower_bound=-5.0)
         fixed = {k_: v_ for k_, v_ in x.items() if k_ not in ("conv_state", "state")}
-        roof = 2 * b * h * d * d * 4 / hbm * 1e3
+        roof = 2 * b * h * d * d * 4 / HBM * 1e3
+        measured[b] = {}
 
         def report(name, err, kernel, wall, note=""):
             kernel_note = "" if kernel is None else f"kernel {kernel:.4f} ms ({roof / kernel * 100:.0f}% of roofline); "
@@ -349,12 +282,13 @@ def bench_decode(hbm, variants, d=128):
         # step's state traffic), chained and donated the same way; the barrier keeps XLA from fusing
         # the 20 passes into one.
         xla_pass = lambda state: (jax.lax.optimization_barrier(state * 0.999 + 1e-6),)  # noqa: E731
-        report("XLA elementwise pass over the state", float("nan"),
-               None if INTERPRET else kernel_ms(xla_pass, (x["state"],), "fusion"), chain_ms(xla_pass, (x["state"] + 0,)))
+        measured[b]["xla"] = None if INTERPRET else kernel_ms(xla_pass, (x["state"],), "fusion")
+        report("XLA elementwise pass over the state", float("nan"), measured[b]["xla"], chain_ms(xla_pass, (x["state"] + 0,)))
         for variant in variants:
             if variant[0] == "mosaic":
                 block_v, token_warps = variant[1:]
-                name = f"ours kda_decode_step (Triton token vectors, Mosaic GPU update) block_v={block_v} token warps={token_warps}"
+                name = (f"ours kda_decode_step (Triton token vectors, Mosaic GPU update) block_v={block_v}"
+                        f" token warps={token_warps}")
                 kernels = ("kda_decode_token_vectors", "kda_decode_update")
 
                 def call(conv_state, state, block_v=block_v, token_warps=token_warps):
@@ -380,13 +314,35 @@ def bench_decode(hbm, variants, d=128):
                 carry = (x["conv_state"], x["state"])
                 per_kernel = []
                 kernel = None if INTERPRET else kernel_ms(step, carry, kernels, per_part=per_kernel)
-                report(name, err, kernel, chain_ms(step, tuple(a + 0 for a in carry)),
+                wall = chain_ms(step, tuple(a + 0 for a in carry))
+                measured[b][variant] = (kernel, wall, err)
+                report(name, err, kernel, wall,
                        " + ".join(f"{part} {ms:.4f}" for part, ms in per_kernel) if len(per_kernel) > 1 else "")
             except Exception:
                 traceback.print_exc()
                 log(f"{name} B={b}: FAILED")
-    if not PEERS:
+    fla = decode_peer(h, d) if PEERS else {}
+    if RESULTS is None:
         return
+    for b, found in measured.items():
+        ours = found.get(dispatched_variant(b, h, d))
+        if ours is None or ours[0] is None:
+            log(f"B={b}: the dispatched form {dispatched_variant(b, h, d)} was not timed: no result row")
+            continue
+        RESULTS.add(
+            "kda_decode", f"B={b} H={h} D={d}", ours[0],
+            metric="GPU kernel ms a step (profiler trace of 20 steps)",
+            peers={"fla fused_recurrent_kda_fwd (core only)": fla.get(b)},
+            baselines={"XLA in-place pass over the state": found["xla"]},
+            roofline=2 * b * h * d * d * 4 / HBM * 1e3, error=ours[2], wall_ms=ours[1],
+            variants={decode_variant_name(v): t[0] for v, t in found.items() if v != "xla" and t[0] is not None},
+        )
+
+
+def decode_peer(h, d):
+    """{batch: kernel ms} of fla's `fused_recurrent_kda_fwd` (the core update alone: q, k, v, g, beta
+    given), logged beside its wall time in a CUDA graph and by do_bench."""
+    timed = {}
     try:
         import torch
         import triton
@@ -399,12 +355,14 @@ def bench_decode(hbm, variants, d=128):
             beta = torch.sigmoid(torch.randn(b, 1, h, device="cuda", generator=gen)).bfloat16()
             h0 = torch.randn(b, h, d, d, device="cuda", dtype=torch.float32, generator=gen) * 0.01
             fn = lambda: fused_recurrent_kda_fwd(  # noqa: E731
-                q, k, v, gg, beta, initial_state=h0, output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=True
+                q, k, v, gg, beta, initial_state=h0, output_final_state=True, inplace_final_state=True,
+                use_qk_l2norm_in_kernel=True,
             )
             per_call = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-            roof = 2 * b * h * d * d * 4 / hbm * 1e3
+            roof = 2 * b * h * d * d * 4 / HBM * 1e3
             kernel = torch_kernel_ms(fn, "fused_recurrent_kda")
             ms = torch_chain_ms(fn)
+            timed[b] = kernel
             log(f"fla fused_recurrent_kda_fwd B={b}: kernel {kernel:.4f} ms ({roof / kernel * 100:.0f}% of roofline);"
                 f" {ms:.4f} ms per step in a CUDA graph of 20 ({roof / ms * 100:.0f}%); {per_call:.4f} ms by do_bench")
             ROWS.append(("decode", "fla fused_recurrent_kda_fwd (core only)", f"B={b}", float("nan"), kernel,
@@ -412,28 +370,7 @@ def bench_decode(hbm, variants, d=128):
                          f" {per_call:.4f} ms by do_bench"))
     except Exception:
         traceback.print_exc()
-
-
-def torch_chain_ms(fn, n=20, reps=7):
-    """Per-call time of n calls of `fn` captured back to back in one CUDA graph: the same measure as
-    `chain_ms` for ours, the steady state of a decoder's step after step (do_bench times one call
-    at a time, each after flushing the L2)."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-
-    def replay():
-        graph.replay()
-        torch.cuda.synchronize()
-
-    return per_call_ms(replay, n, reps)
+    return timed
 
 
 def decode_variant(text):
@@ -444,15 +381,19 @@ def decode_variant(text):
     return tuple(int(x) for x in text.split("x"))
 
 
-HBM = 4.3e12  # bytes/s, read + write, measured on this machine (KINDS.md): the roofline's bandwidth
+def decode_variant_name(variant):
+    """`decode_variant`'s inverse: ('mosaic', 32, 4) -> 'm32w4', (64, 4) -> '64x4'."""
+    if variant[0] == "mosaic":
+        return f"m{variant[1]}w{variant[2]}"
+    return "x".join(map(str, variant))
 
 
 def main():
-    global INTERPRET, PREFILL_SHAPES, DECODE_BATCHES, PEERS
-    parser = argparse.ArgumentParser()
+    global INTERPRET, PREFILL_SHAPES, DECODE_BATCHES, PEERS, RESULTS
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="default", help="scan configs to time, among: " + ",".join(CONFIGS))
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,prefill,decode")
-    parser.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny shapes, Pallas interpreter")
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny shapes, Pallas interpreter, no rows")
     parser.add_argument("--no-peers", action="store_true", help="time our kernels only")
     parser.add_argument("--prefill-shapes", default=";".join(",".join(map(str, x[:3])) for x in PREFILL_SHAPES),
                         help="B,T,H;B,T,H;... at D = 128")
@@ -461,6 +402,7 @@ def main():
     parser.add_argument("--decode-variants", default=DECODE_VARIANTS,
                         help="decode launch shapes: value columns x warps (the fused Triton step), or mN[wW] (Triton token"
                              " vectors in W warps, default 4, then the Mosaic GPU update in N columns)")
+    add_results_argument(parser)
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     PEERS = not args.no_peers
@@ -468,11 +410,12 @@ def main():
     DECODE_BATCHES = [int(b) for b in args.decode_batches.split(",")]
     if args.interpret:
         INTERPRET, PREFILL_SHAPES, DECODE_BATCHES = True, [(1, 128, 2, 64)], [2]
+    else:
+        RESULTS = Results(args.results)
     log("jax", jax.__version__, jax.devices())
-    hbm = HBM
     sections = {
         "check": check_small,
-        "decode": lambda: bench_decode(hbm, [decode_variant(v) for v in args.decode_variants.split(",")], args.decode_dim),
+        "decode": lambda: bench_decode([decode_variant(v) for v in args.decode_variants.split(",")], args.decode_dim),
         "prefill": lambda: bench_prefill({name: CONFIGS[name] for name in args.configs.split(",")}),
     }
     for name, run in sections.items():

@@ -1,10 +1,10 @@
 """The whole model on the GPU: parity with transformers' goldens and end-to-end timings.
 
-    python3 bench/model_gpu.py [GOLDENS_DIR] [--mlps dense,moe]   # 1. (with GOLDENS_DIR) and 2.
-    python3 bench/model_gpu.py --long 16384,32768     # 3. alone
-    python3 bench/model_gpu.py --decode-profile [--mlps dense] [--kernels-only]   # 4. alone
-    python3 bench/model_gpu.py --long-profile 16384    # 5. alone
-    python3 bench/model_gpu.py --command-buffers [--mlps dense]   # 6. alone
+    python -m bench.model_gpu [GOLDENS_DIR] [--mlps dense,moe]   # 1. (with GOLDENS_DIR) and 2.
+    python -m bench.model_gpu --long 16384,32768     # 3. alone
+    python -m bench.model_gpu --decode-profile [--mlps dense] [--kernels-only]   # 4. alone
+    python -m bench.model_gpu --long-profile 16384    # 5. alone
+    python -m bench.model_gpu --command-buffers [--mlps dense]   # 6. alone
 
 1. The shipped tiny checkpoint, fp32, through the pure-jnp references: logits against the
    transformers goldens; greedy generation against transformers' cached generation. (Its KDA head
@@ -23,20 +23,22 @@
    (through the kernels alone), costliest first, with each one's HLO result and op.
 6. With --command-buffers: the kernels path's decode step compiled under each of
    `COMMAND_BUFFER_SETTINGS` (XLA's CUDA graphs), wall and GPU time a step.
+
+Rows for bench/results.jsonl (with --results, default bench/results.jsonl): 2. as op `model_forward`
+and `model_decode` (ours: the kernels; baseline: the references), 3. as `model_forward`, 4. as
+`model_decode` (`decode_step` and `decode_unchecked` wall, with the GPU ms a step beside them).
 """
 
+import argparse
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import glm5next_jax  # noqa: E402
+import glm5next_jax
+from bench.common import ROOT, Results, add_results_argument, fusion_sources, median_ms, trace_kernels
 
 
 def rel(a, b, where=None):
@@ -44,16 +46,6 @@ def rel(a, b, where=None):
     if where is not None:
         a, b = a[where], b[where]
     return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def median_ms(fn, reps=10):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
 
 
 def parity(goldens):
@@ -77,7 +69,7 @@ def agreement(a, b):
 
 
 def wider_config(mlps):
-    """mlps "dense": every MLP dense (as the earlier sessions timed it); "moe": a dense MLP, then MoEs."""
+    """mlps "dense": every MLP dense; "moe": a dense MLP, then MoEs."""
     moe = dict(mlp_layer_types=("dense",) + ("sparse",) * 3, n_routed_experts=64, moe_intermediate_size=1024)
     return glm5next_jax.Config(
         vocab_size=32768, hidden_size=2048, num_hidden_layers=4, intermediate_size=6144,
@@ -221,92 +213,68 @@ COMMAND_BUFFER_SETTINGS = {
 }
 
 
-def trace_kernels(run, steps):
-    """({kernel name: GPU ms a call}, {kernel name: launches a call}) over `steps` calls of run()
-    back to back after one outside the trace, from a `jax.profiler` trace (CUPTI)."""
-    import collections
-    import glob
-    import tempfile
-
-    jax.block_until_ready(run())  # compiled and autotuned outside the trace
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(steps):
-                out = run()
-            jax.block_until_ready(out)
-        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(path)
-    per_name, launches = collections.defaultdict(float), collections.defaultdict(float)
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                if line.name.startswith("XLA"):  # the op and module lines span the kernels
-                    continue
-                for event in line.events:
-                    per_name[event.name] += event.duration_ns / 1e6 / steps
-                    launches[event.name] += 1 / steps
-    return dict(per_name), dict(launches)
-
-
-def fusion_sources(hlo_text):
-    """{kernel name: its HLO instruction's result type and op name} from a compiled module's text
-    (a trace names kernels by their instructions, with '.' as '_'; the type says which array a
-    memory-bound kernel walks)."""
-    import re
-
-    sources = {}
-    for line in hlo_text.splitlines():
-        found = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\S+) .*op_name=\"([^\"]*)\"", line)
-        if found:
-            name, result, op_name = found.groups()
-            where = f"{result.split('{')[0]} {'/'.join(op_name.split('/')[-3:])}"
-            sources.setdefault(name, where)
-            sources.setdefault(name.replace(".", "_"), where)
-    return sources
-
-
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("goldens", nargs="?", help="a goldens folder (its cases/): the tiny checkpoint's parity first")
+    parser.add_argument("--mlps", default="dense,moe", help="the wider configs to run: dense, moe or both")
+    parser.add_argument("--long", help="only the MoE config's forward over these sequence lengths, comma-separated")
+    parser.add_argument("--decode-profile", action="store_true", help="only the decode step's wall and kernels")
+    parser.add_argument("--kernels-only", action="store_true", help="with --decode-profile: not the references' step")
+    parser.add_argument("--long-profile", type=int, metavar="T", help="only the kernels of the forward over T tokens")
+    parser.add_argument("--command-buffers", action="store_true", help="only the decode step under XLA's CUDA graphs")
+    add_results_argument(parser)
+    args = parser.parse_args()
     print("devices:", jax.devices(), "XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""))
-    mlps_configs = ("dense", "moe")
-    args = sys.argv[1:]
-    if "--mlps" in args:  # --mlps moe: that config alone
-        at = args.index("--mlps")
-        mlps_configs, args = tuple(args[at + 1].split(",")), args[:at] + args[at + 2 :]
-    if "--decode-profile" in args:  # with --kernels-only, not the references' step
-        impls = (None,) if "--kernels-only" in args else ("reference", None)
+    mlps_configs = tuple(args.mlps.split(","))
+    results = Results(args.results)
+    workload = "batch 8 over 4096 cached"
+    if args.decode_profile:
+        impls = (None,) if args.kernels_only else ("reference", None)
         for mlps in mlps_configs:
+            measured = {}
             for impl, wall, unchecked, gpu, kernels, ranked in decode_profile(mlps, impls):
+                measured[impl] = (wall, unchecked, gpu, kernels)
                 print(f"\n{mlps} MLPs, {impl}: decode_step {wall:.3f} ms wall, decode_unchecked {unchecked:.3f} ms, "
                       f"GPU {gpu:.3f} ms in {kernels:.0f} kernels a step")
                 print("| ms a step | launches a step | kernel | result, op (HLO) |\n|---|---|---|---|")
                 for ms, n, name, source in ranked:
                     print(f"| {ms:.4f} | {n:.0f} | {name[:110]} | {source} |")
+            ours, ref = measured.get("auto (pallas)"), measured.get("reference")
+            if ours:
+                for i, call in enumerate(("decode_step", "decode_unchecked")):
+                    results.add(
+                        "model_decode", f"{mlps} MLPs, {workload}: {call}", ours[i], metric="median wall ms a step (10 steps)",
+                        baselines={"references": ref[i] if ref else None}, gpu_ms=ours[2], kernels=ours[3],
+                        reference_gpu_ms=ref[2] if ref else None,
+                    )
         return
-    if "--command-buffers" in args:
+    if args.command_buffers:
         for mlps in mlps_configs:
             print(f"\n{mlps} MLPs, kernels path, decode step batch 8 over 4096 cached, by XLA setting")
-            print("| setting | compile s | median wall ms a step | GPU ms a step | kernels a step | logits max |d| vs the first |")
+            print("| setting | compile s | median wall ms a step | GPU ms a step | kernels a step |"
+                  " logits max |d| vs the first |")
             print("|---|---|---|---|---|---|", flush=True)
             for name, compile_s, wall, gpu, kernels, err in decode_command_buffers(mlps, COMMAND_BUFFER_SETTINGS):
                 print(f"| {name} | {compile_s:.0f} | {wall:.3f} | {gpu:.3f} | {kernels:.0f} | {err:.2e} |", flush=True)
         return
-    if "--long-profile" in args:
-        tokens = int(args[args.index("--long-profile") + 1])
-        gpu, kernels, ranked = long_profile(tokens)
-        print(f"\nmoe config, forward 1 x {tokens}, kernels: GPU {gpu:.2f} ms in {kernels:.0f} kernels a call")
+    if args.long_profile:
+        gpu, kernels, ranked = long_profile(args.long_profile)
+        print(f"\nmoe config, forward 1 x {args.long_profile}, kernels: GPU {gpu:.2f} ms in {kernels:.0f} kernels a call")
         print("| ms a call | launches a call | kernel | result, op (HLO) |\n|---|---|---|---|")
         for ms, n, name, source in ranked:
             print(f"| {ms:.4f} | {n:.0f} | {name[:110]} | {source} |")
         return
-    if "--long" in args:  # python3 bench/model_gpu.py --long 16384,32768: only the long forwards
+    if args.long:  # only the long forwards
         print("\n| moe config: forward 1 x T, kernels | median ms | tokens / s | logits finite |")
         print("|---|---|---|---|")
-        for tokens in map(int, args[args.index("--long") + 1].split(",")):
+        for tokens in map(int, args.long.split(",")):
             ms, finite = long_forward(tokens)
             print(f"| T = {tokens} | {ms:.1f} | {tokens / ms * 1e3:.0f} | {finite} |", flush=True)
+            if finite:
+                results.add("model_forward", f"moe MLPs, forward 1 x {tokens}", ms, metric="median wall ms a call (3 calls)")
         return
-    if args:  # without GOLDENS_DIR: the timings (2.) alone
-        rows, same = parity(args[0])
+    if args.goldens:
+        rows, same = parity(args.goldens)
         print("\n| case | kernels | max|d|/max|ref| vs transformers fp32 |")
         print("|---|---|---|")
         for case, impl, err in rows:
@@ -315,8 +283,19 @@ def main():
     print("\n| workload | kernels | median ms | logits max|d|/max|ref| vs the references | top-1 agreement |")
     print("|---|---|---|---|---|")
     for mlps in mlps_configs:
+        reference_ms = {}
         for name, impl, ms, err, same in timings(mlps):
             print(f"| {name} | {impl} | {ms:.2f} | {err:.2e} | {same:.4f} |", flush=True)
+            if impl == "reference":
+                reference_ms[name] = ms
+                continue
+            forward = "forward" in name
+            results.add(
+                "model_forward" if forward else "model_decode",
+                f"{mlps} MLPs, forward 1 x 4096" if forward else f"{mlps} MLPs, {workload}: decode_step", ms,
+                metric=f"median wall ms a {'call (5 calls)' if forward else 'step (10 steps)'}",
+                baselines={"references": reference_ms.get(name)}, logits_difference=err, top1_agreement=same,
+            )
 
 
 if __name__ == "__main__":

@@ -5,15 +5,21 @@ gate_up K = 4096, N = 4096 and down K = 2048, N = 4096, for 8, 64, 1024 and 8192
 routed to 8 distinct experts drawn uniformly. Then the whole MoE layer (`layers.mlp.moe`, random
 router) with the kernel and with the reference.
 
-Times are medians of 20 jitted calls dispatched back to back (`kda.dispatched_ms`), per call; ours
-is the kernel alone on rows already in the tiled layout (the MoE layer gathers its rows into either
-layout at the same cost). The roofline is max(FLOPs / 705 TFLOP/s, bytes / 4.3 TB/s), bytes = the
-used experts' weights once plus the rows in and out. Errors are max|d| / max|ref| against an fp32
-product over the rows of 8 sampled experts.
+    python -m bench.moe [--tokens 8,64,1024,8192] [--skip gemm,layer] [--no-peers] [--configs 128x128x64x4]
+        [--results bench/results.jsonl]
 
-On the GPU machine, from the repository root, with the peers' wheels in .peers/:
+Times are medians of 20 jitted calls dispatched back to back (`common.dispatched_ms`), per call; ours
+is the kernel alone on rows already in the tiled layout (the MoE layer gathers its rows into either
+layout at the same cost). The roofline is max(FLOPs / `common.MATMUL`, bytes / `common.HBM`), bytes
+= the used experts' weights once plus the rows in and out. Errors are max|d| / max|ref| against an
+fp32 product over the rows of 8 sampled experts. Rows for bench/results.jsonl: op `moe_gemm` per GEMM
+and token count (ours: the config `moe_gemm.plan` picks; peers: jla, JAX, XLA), op `moe_layer` per
+token count (baseline: the layer through the reference, XLA's `ragged_dot`).
+
+jla comes as a wheel (../shared/peers/), installed on the GPU machine from a folder carried with the
+tree:
     python3 -m pip install -q --no-index --no-deps --target .peers-site .peers/*.whl
-    PYTHONPATH=$PWD:$PWD/bench:$PWD/.peers-site python3 bench/moe.py
+    PYTHONPATH=$PWD/.peers-site python3 -m bench.moe
 """
 
 import argparse
@@ -23,13 +29,12 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kda import dispatched_ms, log
 
+from bench.common import HBM, MATMUL, Results, add_results_argument, dispatched_ms, log
 from glm5next_jax.config import Config
 from glm5next_jax.layers import mlp
 from pallas_kernels import moe_gemm
 
-MATMUL, HBM = 705e12, 4.3e12
 EXPERTS, TOP_K, HIDDEN, WIDTH = 288, 8, 4096, 2048
 GEMMS = {"gate_up": (HIDDEN, 2 * WIDTH), "down": (WIDTH, HIDDEN)}
 
@@ -76,7 +81,7 @@ def parse_config(text):
     return moe_gemm.GemmConfig(block_rows=rows, block_cols=cols, block_k=k, stages=stages)
 
 
-def bench_gemms(token_counts, skip_peers, configs):
+def bench_gemms(token_counts, skip_peers, configs, results):
     log("| tokens | GEMM | implementation | ms | TFLOP/s | x roofline | error |")
     log("| --- | --- | --- | --- | --- | --- | --- |")
     key = jax.random.key(0)
@@ -112,20 +117,31 @@ def bench_gemms(token_counts, skip_peers, configs):
                         continue
                     f = jax.jit(fn)
                     runs[peer] = (lambda f=f: f(x, w, jnp.asarray(sizes)), lambda out: out)
+            timed = {}
             for label, (call, packed) in runs.items():
                 try:
                     out = jax.block_until_ready(call())
                     err = sampled_error(packed(out), x, w, sizes, np.random.default_rng(1))
                     ms = dispatched_ms(call)
+                    timed[label] = (ms, err)
                     log(f"| {tokens} | {name} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ms / roof:.2f} | {err:.1e} |")
                 except Exception as e:  # a peer that cannot take the shape (out of memory, unsupported)
                     log(f"| {tokens} | {name} | {label} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
                     out = None
                 del out
             log(f"| {tokens} | {name} | roofline | {roof:.3f} | | 1.00 | |")
+            ours = [label for label in timed if label.startswith("ours (")]
+            if ours:
+                results.add(
+                    "moe_gemm", f"{name} K={k} N={n}, {tokens} tokens", timed[ours[0]][0],
+                    metric="median ms a call, 20 jitted calls dispatched back to back",
+                    peers={label: ms for label, (ms, _) in timed.items() if not label.startswith("ours")},
+                    roofline=roof, implementation=ours[0], error=timed[ours[0]][1],
+                    configs={label: ms for label, (ms, _) in timed.items() if label.startswith("ours, config")},
+                )
 
 
-def bench_layer(token_counts):
+def bench_layer(token_counts, results):
     config = Config()
     key = jax.random.key(1)
     ks = jax.random.split(key, 4)
@@ -139,19 +155,26 @@ def bench_layer(token_counts):
     log("| --- | --- | --- | --- |")
     for tokens in token_counts:
         x = jax.random.normal(jax.random.fold_in(ks[3], tokens), (1, tokens, HIDDEN), jnp.bfloat16)
-        results = {}
+        outputs, timed, err = {}, {}, None
         for implementation in ("pallas", "reference"):
             f = jax.jit(lambda p, x, implementation=implementation: mlp.moe(p, x, config, implementation))
             try:
-                results[implementation] = jax.block_until_ready(f(p, x))
-                ms = dispatched_ms(f, p, x)
-                err = ""
-                if implementation == "reference" and "pallas" in results:
-                    got, want = np.asarray(results["pallas"], np.float32), np.asarray(results["reference"], np.float32)
-                    err = f"pallas: {np.abs(got - want).max() / np.abs(want).max():.1e}"
-                log(f"| {tokens} | {implementation} | {ms:.3f} | {err} |")
+                outputs[implementation] = jax.block_until_ready(f(p, x))
+                timed[implementation] = ms = dispatched_ms(f, p, x)
+                note = ""
+                if implementation == "reference" and "pallas" in outputs:
+                    got, want = np.asarray(outputs["pallas"], np.float32), np.asarray(outputs["reference"], np.float32)
+                    err = float(np.abs(got - want).max() / np.abs(want).max())
+                    note = f"pallas: {err:.1e}"
+                log(f"| {tokens} | {implementation} | {ms:.3f} | {note} |")
             except Exception as e:
                 log(f"| {tokens} | {implementation} | failed: {type(e).__name__}: {str(e)[:120]} | |")
+        if "pallas" in timed:
+            results.add(
+                "moe_layer", f"{tokens} tokens",
+                timed["pallas"], metric="median ms a call, 20 jitted calls dispatched back to back",
+                baselines={"reference (XLA ragged_dot)": timed.get("reference")}, difference_from_reference=err,
+            )
 
 
 def main():
@@ -162,13 +185,15 @@ def main():
     parser.add_argument(
         "--configs", default="", help="more kernel configs, <block_rows>x<block_cols>x<block_k>x<stages>, e.g. 128x128x64x4"
     )
+    add_results_argument(parser)
     args = parser.parse_args()
+    results = Results(args.results)
     token_counts = [int(t) for t in args.tokens.split(",")]
     log("jax", jax.__version__, jax.devices())
     if "gemm" not in args.skip:
-        bench_gemms(token_counts, args.no_peers, [parse_config(c) for c in args.configs.split(",") if c])
+        bench_gemms(token_counts, args.no_peers, [parse_config(c) for c in args.configs.split(",") if c], results)
     if "layer" not in args.skip:
-        bench_layer(token_counts)
+        bench_layer(token_counts, results)
 
 
 if __name__ == "__main__":

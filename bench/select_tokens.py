@@ -5,24 +5,26 @@ the wider config's shapes (bench/model_gpu.py: 32 index heads of 128, top-k 2048
 decode step at batch 8 over 4096 cached tokens and prefills of 1 x 4096 and 1 x 16384 (--long adds
 1 x 65536). Prints, per implementation, the GPU time a call (sum of its kernels in a profiler trace),
 the rows whose selection differs from the reference's, and the costliest kernels with their HLO result
-and op; with --hlo DIR, writes those kernels' fused computations there.
+and op; with --hlo DIR, writes those kernels' fused computations there. Rows for bench/results.jsonl:
+op `select_tokens` per shape (ours: the kernels' GPU ms a call; baseline: the jnp reference's).
 
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/select_tokens.py [--long] [--hlo DIR]
+    python -m bench.select_tokens [--long] [--hlo DIR] [--results bench/results.jsonl]
 
 With --blocks "64x128,32x128,..." it times the candidates' scores kernel alone over those (queries x
 pools) program blocks at the prefill shapes instead, each checked against the default block's scores.
 """
 
+import argparse
 import functools
 import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
-from model_gpu import fusion_sources, trace_kernels
 
+from bench.common import Results, add_results_argument, fusion_sources, trace_kernels
 from pallas_kernels import select_tokens
+from pallas_kernels.select_tokens import candidate_scores_triton
 
 SHAPES = {  # name: (batch, queries, keys in the cache, valid keys)
     "decode, batch 8, 4096 cached": (8, 1, 4160, 4097),
@@ -74,19 +76,19 @@ def fused_computations(text, names):
 
 def time_score_blocks(blocks):
     """The scores kernel's GPU ms a call per (queries x pools) program block, at the prefill shapes."""
-    default = (select_tokens.MAX_BLOCK_QUERIES, select_tokens.BLOCK_POOLS)
+    default = (candidate_scores_triton.MAX_BLOCK_QUERIES, candidate_scores_triton.BLOCK_POOLS)
     print("\n| shape | queries x pools a program | scores kernel ms | max |d| vs the default block's |\n|---|---|---|---|")
     for shape_name, shape in SHAPES.items():
-        if shape[1] < select_tokens.MIN_BLOCK_QUERIES:
+        if shape[1] < candidate_scores_triton.MIN_BLOCK_QUERIES:
             continue
         q_idx, head_weights, pool_keys, key_valid, positions, _ = inputs(*shape)
         pool_valid = select_tokens.pool_validity(key_valid, pool_keys.shape[1], POOL)
         visible = select_tokens.visible_pools(select_tokens.first_valid_key(key_valid), positions, POOL, pool_keys.shape[1])
         want = None
         for block in [default] + [b for b in blocks if b != default]:
-            select_tokens.MAX_BLOCK_QUERIES, select_tokens.BLOCK_POOLS = block
+            candidate_scores_triton.MAX_BLOCK_QUERIES, candidate_scores_triton.BLOCK_POOLS = block
             jax.clear_caches()  # the module's block sizes are read when the kernel is traced
-            scores = jax.jit(select_tokens.candidate_scores_kernel)
+            scores = jax.jit(candidate_scores_triton.candidate_scores_kernel)
             run = functools.partial(scores, q_idx, head_weights, pool_keys, pool_valid, visible)
             per_name, _ = trace_kernels(run, 5)
             got = run()
@@ -96,20 +98,26 @@ def time_score_blocks(blocks):
             same_mask = bool((jnp.isfinite(got) == finite).all())
             print(f"| {shape_name} | {block[0]} x {block[1]} | {per_name.get('candidate_pool_scores', float('nan')):.4f} | "
                   f"{err:.2e}{'' if same_mask else ', candidates differ'} |", flush=True)
-    select_tokens.MAX_BLOCK_QUERIES, select_tokens.BLOCK_POOLS = default
+    candidate_scores_triton.MAX_BLOCK_QUERIES, candidate_scores_triton.BLOCK_POOLS = default
 
 
 def main():
-    if "--blocks" in sys.argv:
-        blocks = [tuple(map(int, b.split("x"))) for b in sys.argv[sys.argv.index("--blocks") + 1].split(",")]
-        return time_score_blocks(blocks)
-    hlo_dir = sys.argv[sys.argv.index("--hlo") + 1] if "--hlo" in sys.argv else None
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--long", action="store_true", help="add the prefill of 1 x 65536")
+    parser.add_argument("--hlo", metavar="DIR", help="write the costliest kernels' fused computations here")
+    parser.add_argument("--blocks", help="time the scores kernel alone over these QUERIESxPOOLS blocks, comma-separated")
+    add_results_argument(parser)
+    options = parser.parse_args()
+    if options.blocks:
+        return time_score_blocks([tuple(map(int, b.split("x"))) for b in options.blocks.split(",")])
+    hlo_dir = options.hlo
     print("devices:", jax.devices())
+    results = Results(options.results)
     step = jax.jit(selection_step, static_argnames="implementation")
-    shapes = {**SHAPES, **(LONG_SHAPES if "--long" in sys.argv else {})}
+    shapes = {**SHAPES, **(LONG_SHAPES if options.long else {})}
     for shape_name, shape in shapes.items():
         args = inputs(*shape)
-        selected = {}
+        selected, gpu_ms, differ = {}, {}, 0
         for impl in ("reference", "pallas"):
             run = functools.partial(step, *args, implementation=impl)
             per_name, launches = trace_kernels(run, 5)
@@ -118,6 +126,7 @@ def main():
             sources = fusion_sources(hlo)
             ranked = sorted(((ms, launches[name], name) for name, ms in per_name.items()), reverse=True)[:8]
             differ = int((jnp.sort(selected[impl], -1) != jnp.sort(selected["reference"], -1)).any(-1).sum())
+            gpu_ms[impl] = sum(per_name.values())
             print(f"\n{shape_name}, {impl}: GPU {sum(per_name.values()):.4f} ms a call in "
                   f"{sum(launches.values()):.0f} kernels; {differ} of {shape[0] * shape[1]} rows differ from the reference's")
             print("| ms a call | launches | kernel | result, op (HLO) |\n|---|---|---|---|")
@@ -129,6 +138,11 @@ def main():
                 with open(os.path.join(hlo_dir, f"select_{impl}_{shape[0]}x{shape[1]}.txt"), "w") as f:
                     for name, body in bodies.items():
                         f.write(f"==== {name}\n{body}\n\n")
+        results.add(
+            "select_tokens", shape_name, gpu_ms["pallas"],
+            metric="GPU ms a call (the kernels' sum in a profiler trace of 5 calls)",
+            baselines={"jnp reference": gpu_ms["reference"]}, rows_differing=differ, rows=shape[0] * shape[1],
+        )
 
 
 if __name__ == "__main__":

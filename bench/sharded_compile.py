@@ -2,7 +2,7 @@
 bytes of one step by kind, and a floor for the step's time from them.
 
     .venv-gpu-compile/bin/python -m bench.sharded_compile [--layers 45] [--layouts tp:8,tp-ep:8,dp-ep:8]
-        [--phases decode,prefill] [--json bench/sharded_compile.json]
+        [--phases decode,prefill] [--json bench/sharded_compile.json] [--results bench/results.jsonl]
 
 Needs JAX's CUDA plugin (`.venv-gpu-compile`, see bench/decode_compile.py); nothing is materialised:
 parameters and caches are abstract arrays placed by the layout on 8 compile-only H200s
@@ -15,6 +15,8 @@ Collective bytes are each op's buffer (all-reduce: its operand; all-gather: its 
 scatter: its operand; all-to-all and collective-permute: their operand), and what a device sends in
 a ring over its group of n: all-reduce 2 (n - 1) / n of it, the others (n - 1) / n. The floor is the
 per-device weight bytes over 4.3 TB/s (HBM) plus the sent bytes over 450 GB/s (NVLink, a direction).
+`--json` appends each compile's whole result; the rows for bench/results.jsonl (op `sharded_compile`,
+per layout and phase) hold the compile's seconds on this machine, with the floor and the bytes beside.
 """
 
 import argparse
@@ -25,10 +27,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.decode_compile import H200_TARGET  # noqa: E402
+from bench.common import HBM, ROOT, Results, add_results_argument
+from bench.decode_compile import H200_TARGET
 
-HBM = 4.3e12
+DEVICE = "8 compile-only NVIDIA H200s (no GPU)"
 NVLINK = 450e9
 PHASES = {"prefill": dict(batch=1, tokens=8192), "decode": dict(batch=64, cached=32768)}
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
@@ -39,7 +41,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 def collectives(hlo: str):
     """{kind: (buffer bytes, bytes a device sends)} over the compiled module's collective ops."""
     out = {kind: [0, 0.0] for kind in KINDS}
-    pattern = re.compile(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\((.*)")
+    pattern = re.compile(r"= (\(?[^=]*?\)?) (" + "|".join(KINDS) + r")(?:-start)?\((.*)")
     for line in hlo.splitlines():
         match = pattern.search(line)
         if not match:
@@ -144,12 +146,16 @@ def main():
     parser.add_argument("--limit", type=float, default=1800, help="seconds a compile may take")
     parser.add_argument("--json", help="append each result as a line of JSON here")
     parser.add_argument("--one", nargs=2, metavar=("LAYOUT", "PHASE"), help=argparse.SUPPRESS)
+    add_results_argument(parser)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(compile_one(*args.one, args.layers)))
         return
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # for the children: the plugin's checks need a driver
+    results = Results(args.results, device=DEVICE)
     gib = 2**30
-    print("| layout | phase | batch | args GiB/dev | temp GiB/dev | weights GiB/dev | collective MiB/dev sent (AR/AG/RS/A2A/CP) | floor ms | compile s |")
+    print("| layout | phase | batch | args GiB/dev | temp GiB/dev | weights GiB/dev |"
+          " collective MiB/dev sent (AR/AG/RS/A2A/CP) | floor ms | compile s |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for layout in args.layouts.split(","):
         for phase in args.phases.split(","):
@@ -157,7 +163,7 @@ def main():
                 ["--layers", str(args.layers)] if args.layers else []
             )
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit)
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit, cwd=ROOT)
             except subprocess.TimeoutExpired:
                 print(f"| {layout} | {phase} | not compiled in {args.limit:.0f} s |", flush=True)
                 continue
@@ -168,6 +174,12 @@ def main():
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(r) + "\n")
+            results.add(
+                "sharded_compile", f"{layout} {phase}, batch {r['batch']}, {r['layers']} layers", r["compile_s"], unit="s",
+                metric="XLA compile s on the host's CPU", floor_ms=r["floor_ms"], weight_bytes=r["weight_bytes"],
+                argument_bytes=r["argument_bytes"], temp_bytes=r["temp_bytes"],
+                sent_bytes={kind: r["collectives"][kind]["sent_bytes"] for kind in KINDS},
+            )
             sent = "/".join(f"{r['collectives'][k]['sent_bytes'] / 2**20:.1f}" for k in KINDS)
             print(f"| {layout} | {phase} | {r['batch']} | {r['argument_bytes'] / gib:.1f} | {r['temp_bytes'] / gib:.1f} | "
                   f"{r['weight_bytes'] / gib:.1f} | {sent} | {r['floor_ms']:.2f} | {r['compile_s']:.0f} |", flush=True)

@@ -1,14 +1,13 @@
 """Registers, spills and shared memory of the Triton-backend KDA kernels (the fused decode step and
-the token vectors before the Mosaic GPU update) for sm_90a,
-read on a machine with no GPU. (The prefill scan is Mosaic GPU now; its registers come from
-MOSAIC_GPU_DUMP_PTXAS=1 on the GPU.)
+the token vectors before the Mosaic GPU update) for sm_90a, read on a machine with no GPU. (The
+prefill scan's kernels are Mosaic GPU: their registers come from tools/kda_ptx.py on the GPU.)
 
 Lowers the Pallas kernel to Triton IR with this project's JAX (as for an H200), compiles that IR
 with the `triton` package in a second Python, and runs its ptxas -v. A lead, not a measurement:
 XLA compiles the same IR through its own Triton pipeline on the GPU.
 
     python3.12 -m venv .venv-triton && .venv-triton/bin/pip install triton==3.6.0   # (pyenv: PYENV_VERSION=3.12.1)
-    PYTHONPATH=$PWD .venv/bin/python bench/kda_ptxas.py --triton-python .venv-triton/bin/python
+    .venv/bin/python -m tools.kda_ptxas --triton-python .venv-triton/bin/python
 """
 
 import argparse

@@ -1,9 +1,10 @@
 """The KDA prefill scan's Mosaic GPU kernels as lowered for an H200, on any machine (no GPU): each
-kernel's SMEM request, the size of its lowered module (a proxy for code size: the unrolled intra
-kernel outgrew the instruction cache) and a hash of the module printed without debug info, so that
-a refactor can be shown to leave the GPU code unchanged (same hash) without a device run.
+kernel's SMEM request, the size of its lowered module (a proxy for code size: an unrolled kernel can
+outgrow the instruction cache) and a hash of the module printed without debug info, so that a change
+can be shown to leave the GPU code unchanged (same hash) without a device run (tools/lowered_kernels.py
+writes every kernel's whole text instead).
 
-    PYTHONPATH=$PWD python3 bench/kda_lowered.py [--shapes "B,T,H,D;..."] [--options '{"block_v": 64}']
+    python -m tools.kda_lowered [--shapes "B,T,H,D;..."] [--options '{"block_v": 64}']
 """
 
 import argparse
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
 from jax.experimental.mosaic.gpu import core as mosaic_core
 
+from pallas_kernels.common import lower_for_h200
 from pallas_kernels.kda import prefill_chain_mosaic
 
 
@@ -34,7 +36,7 @@ def lowered_kernels(shape, options):
     args = prefill_chain_mosaic.scan_arg_shapes(*shape)
     pallas_lowering.ModuleContext.__init__, mosaic_core.lower_mgpu_module = record_request, record_module
     try:
-        prefill_chain_mosaic.lower_for_h200(lambda *a: prefill_chain_mosaic.chunk_scan(*a, out_dtype=jnp.bfloat16, **options), *args)
+        lower_for_h200(lambda *a: prefill_chain_mosaic.chunk_scan(*a, out_dtype=jnp.bfloat16, **options), *args)
     finally:
         pallas_lowering.ModuleContext.__init__, mosaic_core.lower_mgpu_module = init, lower
     return [(name, smem, text) for (name, smem), text in zip(requests, modules, strict=True)]

@@ -4,15 +4,14 @@ the loops inside it and its commonest opcodes and source lines. A loop's instruc
 trip: multiply by the trip counts (the intra kernel's score passes 3 x 2 channel blocks, its inverse 6
 merge steps, its WY loops 2 blocks each; the chain's loop one trip per chunk).
 
-    PYTHONPATH=$PWD python3 bench/kda_ptx.py [--shape B,T,H]   # on the GPU: compiles the scan, dumps, reads
-    python3 bench/kda_ptx.py --read DIR                        # anywhere: reads an earlier dump
+    python3 -m tools.kda_ptx [--shape B,T,H]   # on the GPU: compiles the scan, dumps, reads
+    python3 -m tools.kda_ptx --read DIR        # anywhere: reads an earlier dump
 """
 
 import argparse
 import collections
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,13 +26,11 @@ def dump(shape, into):
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    import kda as bench
-
+    from bench.kda import prefill_inputs, to_jax
     from pallas_kernels.kda import prefill_chain_mosaic
 
     b, t, h = shape
-    q, k, v, g, beta = bench.to_jax(*bench.prefill_inputs(b, t, h, 128))
+    q, k, v, g, beta = to_jax(*prefill_inputs(b, t, h, 128))
     scan = jax.jit(lambda *a: prefill_chain_mosaic.chunk_scan(*a, out_dtype=jnp.bfloat16))
     jax.block_until_ready(scan(q, k, v, g, beta, jnp.zeros((b, h, 128, 128)), jnp.full((b,), t, jnp.int32)))
 
