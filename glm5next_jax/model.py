@@ -31,7 +31,7 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
     pre, post, comb = hyper.mapping(p["attn_hc"], streams, config)
     h = rms_norm(hyper.collapse(pre, streams), p["input_norm"], config.rms_norm_eps)
     y, aux = attend(p["attn"], h)
-    internals = {"attention_mixing": {"pre": pre, "post": post, "comb": comb}, "attention_output": y}
+    internals = {"attention_mixing": {"pre": pre, "post": post, "comb": comb}, "attention_input": h, "attention_output": y}
     if config.layer_types[layer] != DSA:
         internals["forget_gate"] = gate_log_decay(p["attn"], h, config)
     streams = hyper.expand(post, comb, y, streams)
@@ -106,10 +106,13 @@ def forward(
 
     return_internals: also return what each layer computes inside, for analysis and plots: a list
     with a dict per layer of `attention_mixing` and `mlp_mixing` (mHC's pre [B, T, n], post [B, T, n]
-    and Sinkhorn-normalised comb [B, T, n, n] around each sublayer), `attention_output` [B, T, D],
+    and Sinkhorn-normalised comb [B, T, n, n] around each sublayer; comb's rows index the input
+    stream, its columns the output stream), `attention_input` (the sublayer's normalised input h, what
+    `layers.kda.kda_inputs` or the DSA layer takes) and `attention_output` [B, T, D],
     `forget_gate` (KDA layers: the per-channel log decay g [B, T, H, dk]), `selected` (DSA layers:
     each query's selected token indices [B, T, W], -1 for none; a shared layer's are its
-    neighbour's) and `routing` (MoE layers: `weights` and `experts` [B, T, k]).
+    neighbour's) and `routing` (MoE layers: `weights` and `experts` [B, T, k]; expert e is in group
+    e // config.experts_per_group).
     """
     check_token_batch(input_ids, attention_mask, config.vocab_size)
     input_ids = jnp.asarray(input_ids)

@@ -38,7 +38,7 @@ def test_each_layer_reports_what_it_computes(run):
             # Sinkhorn-normalised: rows and columns sum to one, to the iterations' tolerance.
             np.testing.assert_allclose(comb.sum(-1), 1.0, atol=1e-3)
             np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-3)
-        assert inside["attention_output"].shape == (b, t, config.hidden_size)
+        assert inside["attention_output"].shape == inside["attention_input"].shape == (b, t, config.hidden_size)
         if config.layer_types[i] == DSA:
             selected = np.asarray(inside["selected"])
             assert selected.ndim == 3 and selected.shape[:2] == (b, t) and "forget_gate" not in inside
