@@ -55,9 +55,10 @@ def _exchange(a, b):
 
 def check_target(path, marker=META):
     """Refuse a save's target that holds something else than a checkpoint of ours (found by its
-    `marker` file): a save replaces the whole folder."""
+    `marker` file) or an empty folder: a save replaces the whole folder."""
     path = os.path.abspath(os.fspath(path))
-    if os.path.lexists(path) and not os.path.isfile(os.path.join(path, marker)):
+    empty_folder = os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+    if os.path.lexists(path) and not empty_folder and not os.path.isfile(os.path.join(path, marker)):
         kind = "a folder" if os.path.isdir(path) else "a file"
         raise InputError(f"{path} is {kind} but not a checkpoint written here (no {marker} in it): a save would replace it")
 

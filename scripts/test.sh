@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # The test command: set up both environments, lint (ruff, configured in pyproject.toml), then run
 # pytest (goldens are recomputed from transformers by tests/conftest.py whenever they are missing or
-# stale). Extra args go to pytest.
+# stale). Extra args go to pytest. Without test paths among them the suite runs as two processes,
+# tests/kernels and tests/bench, then tests/model: the kernels' interpreter runs leave XLA state
+# (threads, hundreds of compiled programs) that a single process would carry through the model
+# tests, and XLA:CPU once crashed compiling in such a process. Both must pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check --quiet .
-exec .venv/bin/python -m pytest "$@"
+for arg in "$@"; do
+  if [[ "$arg" == tests* ]]; then exec .venv/bin/python -m pytest "$@"; fi
+done
+.venv/bin/python -m pytest tests/kernels tests/bench "$@"
+exec .venv/bin/python -m pytest tests/model "$@"
