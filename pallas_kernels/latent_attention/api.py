@@ -10,11 +10,13 @@ with a page table (token i of sequence b in page page_table[b, i // page_size]);
 a per-token scale (the fp8 e4m3 cache's dequantisation). The rows are scaled and rounded to
 q_lat's dtype before use, as a dense read of the cache would give them.
 
-Two implementations behind `sparse_latent_attention`:
+Three implementations behind `sparse_latent_attention`:
 - `sparse_latent_attention_reference` (`reference`): dense scores over all S keys, masked to the selection (query
   blocks keep the [H, T, S] scores from being whole); any device, and the oracle of the kernel.
 - the Pallas kernel (Triton backend, GPU; `sparse_attend_triton`): a gather of each query's
-  selected rows with an online softmax, FLOPs and bytes in the selection's width W, not in S.
+  selected rows with an online softmax, FLOPs and bytes in the selection's width W, not in S;
+- the Pallas kernel on Mosaic GPU (Hopper: TMA row gathers, wgmma; `sparse_attend_mosaic`), the
+  same walk for 64 heads a CTA, asked for by passing a `MosaicConfig`.
 Selected indices may repeat (a token counts once); -1, and any index outside [0, S), marks an empty
 slot. The kernel counts a repeated index once only when `distinct_indices` is False (the default), by
 marking repeats empty before the launch (a sort of each row); the model's selections are distinct by
@@ -24,11 +26,15 @@ construction (whole disjoint pools and the tail after them) and say so.
 import jax.numpy as jnp
 
 from pallas_kernels.common import pick_implementation
+from pallas_kernels.latent_attention import sparse_attend_mosaic, sparse_attend_triton
 from pallas_kernels.latent_attention.reference import sparse_latent_attention_reference
-from pallas_kernels.latent_attention.sparse_attend_triton import LATENT_DIMS, KernelConfig, sparse_latent_attention_kernel
+from pallas_kernels.latent_attention.sparse_attend_mosaic import MosaicConfig
+from pallas_kernels.latent_attention.sparse_attend_triton import LATENT_DIMS, KernelConfig
 
 
-def _kernel_unsupported(q_lat, latents):
+def _kernel_unsupported(q_lat, latents, indices, config):
+    if isinstance(config, MosaicConfig):
+        return sparse_attend_mosaic.unsupported(q_lat, indices)
     r = q_lat.shape[-1]
     if r not in LATENT_DIMS:
         return f"the latent width R must be one of {LATENT_DIMS}, got {r}"
@@ -57,10 +63,14 @@ def _check(q_lat, latents, indices, latent_scales, page_table, config):
         raise ValueError(f"latent_scales must be {latents.shape[:2]} (one per latent row), got {latent_scales.shape}")
     if indices.ndim != 3 or indices.shape[:2] != (b, t) or not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ValueError(f"indices must be integers [B, T, W] with B, T = {(b, t)}, got {indices.dtype} {indices.shape}")
-    if config.block_tokens not in (16, 32, 64, 128):
+    if not isinstance(config, (KernelConfig, MosaicConfig)):
+        raise ValueError(f"config must be a KernelConfig (Triton) or a MosaicConfig (Mosaic GPU), got {config!r}")
+    if isinstance(config, KernelConfig) and config.block_tokens not in (16, 32, 64, 128):
         raise ValueError(f"config.block_tokens must be 16, 32, 64 or 128, got {config.block_tokens}")
     if config.splits is not None and config.splits < 1:
         raise ValueError(f"config.splits must be None or at least 1, got {config.splits}")
+    if isinstance(config, MosaicConfig) and config.stages is not None and config.stages not in (1, 2, 3):
+        raise ValueError(f"config.stages must be None, 1, 2 or 3, got {config.stages}")
 
 
 def sparse_latent_attention(
@@ -70,16 +80,20 @@ def sparse_latent_attention(
     """o_lat [B, T, H, R] in q_lat.dtype; the arguments as `sparse_latent_attention_reference`'s.
 
     `implementation`: None (the kernel on GPU for bf16 q_lat, else the reference), "reference" or
-    "pallas". `distinct_indices`: the caller promises no row repeats an index (the kernel then skips
+    "pallas". `config` picks the kernel: a `KernelConfig` the Triton one, a `MosaicConfig` the
+    Mosaic GPU one (wgmma; R in 128, 256, 512 and bf16 q_lat, else the automatic choice takes the
+    reference). `distinct_indices`: the caller promises no row repeats an index (the kernel then skips
     marking repeats). `interpret` runs the kernel in Pallas' interpreter.
     """
     _check(q_lat, latents, indices, latent_scales, page_table, config)
-    impl = pick_implementation(implementation, _kernel_unsupported(q_lat, latents), q_lat.dtype, interpret=interpret)
+    unsupported = _kernel_unsupported(q_lat, latents, indices, config)
+    impl = pick_implementation(implementation, unsupported, q_lat.dtype, interpret=interpret)
     if impl == "reference":
         return sparse_latent_attention_reference(
             q_lat, latents, indices, scale=scale, latent_scales=latent_scales, page_table=page_table
         )
-    return sparse_latent_attention_kernel(
+    backend = sparse_attend_mosaic if isinstance(config, MosaicConfig) else sparse_attend_triton
+    return backend.sparse_latent_attention_kernel(
         q_lat, latents, indices, latent_scales, page_table, scale=scale, config=config,
         distinct_indices=distinct_indices, interpret=interpret,
     )

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import HIGHEST, sm_count
+from pallas_kernels.common import sm_count
+from pallas_kernels.latent_attention.splits import mark_repeats_empty, merge_splits
 
 MAX_BLOCK_HEADS = 64  # heads a program attends for: its fp32 output [64, R] fills the registers at R = 512
 LATENT_DIMS = (64, 128, 256, 512)
@@ -43,7 +44,7 @@ def _attend_kernel(q_ref, rows_ref, *refs, scaled, scale, heads, block_tokens, s
     (base 2) over the selected rows, block by block. `rows_ref` [n_pages * page_size, R] holds every
     page's rows; then come their scales (when `scaled`), the page table, the indices and the outputs.
     With one split the output is normalised here; with several, each part leaves its normalised
-    output, running max and sum for `_merge_splits`."""
+    output, running max and sum for `splits.merge_splits`."""
     scales_ref, page_table_ref, indices_ref, *out_refs = refs if scaled else (None, *refs)
     gs, t, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, split = gs // splits, gs % splits
@@ -85,21 +86,6 @@ def _attend_kernel(q_ref, rows_ref, *refs, scaled, scale, heads, block_tokens, s
         total_ref[b, t, split, rows] = total
 
 
-def _merge_splits(o, top, total):
-    """The parts' normalised outputs [B, T, splits, H, R] weighed by their share of the softmax sum."""
-    weight = total * jnp.exp2(top - top.max(axis=2, keepdims=True))  # [B, T, splits, H]
-    norm = weight.sum(axis=2)
-    merged = jnp.einsum("btsh,btshr->bthr", weight, o, precision=HIGHEST)
-    return merged / jnp.where(norm > 0, norm, 1.0)[..., None]
-
-
-def _mark_repeats_empty(indices):
-    """Each row's repeated indices after their first as -1 (the order of a row does not matter)."""
-    ordered = jnp.sort(indices, axis=-1)
-    repeat = jnp.concatenate([jnp.zeros_like(ordered[..., :1], bool), ordered[..., 1:] == ordered[..., :-1]], axis=-1)
-    return jnp.where(repeat, -1, ordered)
-
-
 def sparse_latent_attention_kernel(
     q_lat, latents, indices, latent_scales, page_table, *, scale, config, distinct_indices, interpret
 ):
@@ -116,7 +102,7 @@ def sparse_latent_attention_kernel(
     rows = latents.reshape(-1, r)
     scales = None if latent_scales is None else latent_scales.reshape(-1).astype(jnp.float32)
     if not distinct_indices:
-        indices = _mark_repeats_empty(indices)
+        indices = mark_repeats_empty(indices)
     blocks = -(-indices.shape[-1] // bt)
     # Off the GPU (the interpreter) one split unless asked: the tests pick theirs.
     programs = 2 * sm_count() if jax.default_backend() == "gpu" else 1
@@ -144,5 +130,5 @@ def sparse_latent_attention_kernel(
         name="sparse_latent_attention",
     )(q, rows, *(() if scales is None else (scales,)), page_table.astype(jnp.int32), indices)
     if splits > 1:
-        out = _merge_splits(*out).astype(q.dtype)
+        out = merge_splits(*out, axis=2).astype(q.dtype)
     return out[:, :, :h]

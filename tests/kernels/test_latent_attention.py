@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import traced_kernels
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's findings
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernel_case import KernelCase
 
 from pallas_kernels import latent_attention as la
@@ -160,6 +162,23 @@ def test_bad_arguments_are_named(q_shape, latent_shape, index_shape, dtype, mess
         )
 
 
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (la.MosaicConfig(stages=4), "config.stages must be None, 1, 2 or 3"),
+        (la.MosaicConfig(splits=0), "config.splits must be None or at least 1"),
+        (la.KernelConfig(block_tokens=48), "config.block_tokens must be"),
+        ({"splits": 2}, "config must be a KernelConfig"),
+    ],
+)
+def test_bad_configs_are_named(config, message):
+    with pytest.raises(ValueError, match=message):
+        la.sparse_latent_attention(
+            jnp.zeros((1, 2, 4, 128), jnp.bfloat16), jnp.zeros((1, 10, 128), jnp.bfloat16),
+            jnp.zeros((1, 2, 4), jnp.int32), scale=1.0, implementation="pallas", config=config,
+        )
+
+
 @pytest.mark.parametrize("latent_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_paged_cache(latent_dtype):
     """An inference cache's pages in shuffled order, bf16 or fp8 with per-token scales: the kernel
@@ -210,10 +229,13 @@ class TestSparseLatentAttention(KernelCase):
         "decode over fp8 pages": (dict(b=8, t=1, s=32768, fp8=True), ["__gpu$xla.gpu.triton"]),
     }
 
-    def inputs(self, key, b, t, h, r, s, w, fp8=False, splits=None):
+    def config(self, splits, stages):
+        return la.KernelConfig(splits=splits)
+
+    def inputs(self, key, b, t, h, r, s, w, fp8=False, splits=None, stages=None):
         seed = int(jax.random.randint(key, (), 0, 2**30))
         q, latents, indices = random_case(seed, b, t, h, r, s, w, repeats=True)
-        kwargs = dict(scale=r**-0.5, config=la.KernelConfig(splits=splits))
+        kwargs = dict(scale=r**-0.5, config=self.config(splits, stages))
         if not fp8:
             return (q, latents, indices), kwargs
         page_size = 16  # pages of each sequence in a shuffled pool
@@ -249,3 +271,50 @@ class TestSparseLatentAttention(KernelCase):
         pages = s // 64
         latents, scales = sds((b * pages, 64, 512), jnp.float8_e4m3fn), sds((b * pages, 64), jnp.float32)
         return (q, latents, indices, scales, sds((b, pages), jnp.int32)), dict(scale=1 / 16)
+
+
+class TestSparseLatentAttentionMosaic(TestSparseLatentAttention):
+    """The Mosaic GPU kernel through `sparse_latent_attention` (a `MosaicConfig`), under Pallas'
+    race detector: one query over fp8 pages whose selection is narrower than a block; few heads
+    (padded to 64) with ragged, empty and repeated rows in two splits; two head groups at the model's
+    latent width with every staging buffer in use; more splits than blocks (a part with nothing)."""
+
+    cases = {
+        "one query, fp8 pages, 20 selected": dict(b=2, t=1, h=64, r=128, s=96, w=20, fp8=True),
+        "4 heads, ragged, empty and repeated rows, 2 splits": dict(b=2, t=3, h=4, r=128, s=80, w=70, splits=2),
+        "128 heads, R = 512, 3 stages, one row past 2 blocks": dict(b=1, t=2, h=128, r=512, s=150, w=65, stages=3),
+        "5 splits over 4 blocks, 1 stage": dict(b=1, t=2, h=16, r=256, s=200, w=100, splits=5, stages=1),
+    }
+    kernels = {"sparse_latent_attention_mosaic": 1}
+    lowering_cases = {
+        "prefill of 4096": (dict(b=1, t=4096, s=4096, fp8=False), ["mosaic_gpu_v2"]),
+        "decode over fp8 pages": (dict(b=8, t=1, s=32768, fp8=True), ["mosaic_gpu_v2"]),
+    }
+
+    def config(self, splits, stages):
+        return la.MosaicConfig(splits=splits, stages=stages)
+
+    def kernel(self, *args, interpret=True, **kwargs):
+        if interpret:  # a buffer refilled or read before its barrier says so is a race
+            interpret = plgpu.InterpretGPUParams(detect_races=True)
+        return super().kernel(*args, interpret=interpret, **kwargs)
+
+    def compare(self, got, want, **shape):
+        assert not gpu_callbacks.get_races().races_found  # of the kernel's run just before
+        super().compare(got, want, **shape)
+
+    def lowering_args(self, b, t, s, fp8):
+        args, kwargs = super().lowering_args(b, t, s, fp8)
+        return args, dict(kwargs, config=la.MosaicConfig())
+
+
+def test_mosaic_kernel_takes_what_it_supports():
+    """A latent width outside 128, 256, 512: refused when asked for, the reference when not."""
+    q, latents, indices = random_case(5, 1, 2, 4, 64, 20, 5)
+    config = la.MosaicConfig()
+    with pytest.raises(ValueError, match="latent width R must be one of"):
+        la.sparse_latent_attention(q, latents, indices, scale=0.125, implementation="pallas", config=config)
+    run = lambda: la.sparse_latent_attention(q, latents, indices, scale=0.125, interpret=True, config=config)  # noqa: E731
+    assert traced_kernels(run) == {}
+    want = la.sparse_latent_attention_reference(q, latents, indices, scale=0.125)
+    np.testing.assert_array_equal(np.asarray(run()), np.asarray(want))
