@@ -1,5 +1,6 @@
-"""DSA's token selection (`api`): pool scores and the ranking in Triton (`candidate_scores_triton`,
-`top_pools_triton`) or their references (`reference`), and the pool and tail bookkeeping both share."""
+"""DSA's token selection (`api`): pool scores in Triton (`candidate_scores_triton`) or Mosaic GPU
+(`candidate_scores_mosaic`), the ranking in Triton (`top_pools_triton`), or their references
+(`reference`), and the pool and tail bookkeeping they share."""
 
 from pallas_kernels.select_tokens.api import select_tokens
 from pallas_kernels.select_tokens.reference import (

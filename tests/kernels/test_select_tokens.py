@@ -5,10 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import traced_kernels
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's findings
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernel_case import KernelCase
 
 from pallas_kernels import select_tokens as st
-from pallas_kernels.select_tokens import candidate_scores_triton, pool_scores, select_tokens, top_pools_triton, visible_key_counts
+from pallas_kernels.select_tokens import (
+    candidate_scores_mosaic,
+    candidate_scores_triton,
+    pool_scores,
+    select_tokens,
+    top_pools_triton,
+    visible_key_counts,
+)
 
 
 def inputs(key, b, t, pool, nh=4, hd=8, mask=None):
@@ -287,3 +296,67 @@ class TestTopPools(KernelCase):
 
     def lowering_args(self, rows, n, k):
         return (jax.ShapeDtypeStruct((1, rows, n), jnp.float32),), dict(k=k)
+
+
+class TestCandidateScoresMosaic(TestCandidateScores):
+    """The Mosaic GPU scores kernel through `candidate_scores_kernel`, under the race detector: the
+    heads form (one query, 4 heads padded to 64; 9 queries of 32 heads over two stretches of pools
+    with holes) and the queries form (a ragged prefill with holes in one block of pools; two blocks
+    of queries over three blocks of pools, some unseen)."""
+
+    cases = {
+        "one query, 4 heads as rows": dict(b=2, t=1, n_pools=37, pool=4, first_query=147, hd=64),
+        "9 queries, 32 heads, holes": dict(b=2, t=9, n_pools=300, pool=4, first_query=1100, nh=32, hd=128, holes=True),
+        "ragged prefill with holes": dict(b=2, t=45, n_pools=12, pool=4, first_query=0, hd=64, holes=True),
+        "two query blocks over three pool blocks": dict(b=1, t=70, n_pools=300, pool=4, first_query=700, hd=128),
+    }
+    kernels = {"candidate_pool_scores_mosaic": 1}
+    lowering_cases = {
+        "decode B=64 over 128K keys": (dict(b=64, t=1, s=131072), ["mosaic_gpu_v2"]),
+        "prefill of 65536": (dict(b=1, t=65536, s=65536), ["mosaic_gpu_v2"]),
+    }
+
+    def inputs(self, key, b, t, n_pools, pool, first_query, nh=4, hd=64, holes=False):
+        seed = int(jax.random.randint(key, (), 0, 2**30))
+        q, w, keys, mask, positions = kernel_case(seed, b, t, n_pools, pool, first_query, nh=nh, hd=hd, holes=holes)
+        visible = st.visible_pools(st.first_valid_key(mask), positions, pool, n_pools)
+        return (q, w, keys, st.pool_validity(mask, n_pools, pool), visible), {}
+
+    def kernel(self, *args, interpret=True):
+        if interpret:  # a pipeline slot refilled before its product is done is a race
+            interpret = plgpu.InterpretGPUParams(detect_races=True)
+        return candidate_scores_mosaic.candidate_scores_kernel(*args, interpret=interpret)
+
+    def compare(self, got, want, **shape):
+        assert not gpu_callbacks.get_races().races_found  # of the kernel's run just before
+        super().compare(got, want, **shape)
+
+
+@pytest.mark.parametrize(
+    "b, t, n_pools, pool, first_query, holes, nh",
+    [(2, 1, 300, 4, 1195, True, 32), (2, 70, 40, 4, 0, True, 4), (1, 20, 30, 1, 10, False, 3)],
+)
+def test_selection_through_the_mosaic_scores_is_the_references(b, t, n_pools, pool, first_query, holes, nh):
+    """`select_tokens(..., backend="mosaic")`: the Mosaic GPU scores, then the top-k kernel."""
+    q, w, keys, mask, positions = kernel_case(t + nh, b, t, n_pools, pool, first_query, nh=nh, hd=64, holes=holes)
+    kw = dict(index_topk=8 * pool, pool_size=pool)
+    want = st.select_tokens(q, w, keys, mask, positions, implementation="reference", **kw)
+    run = lambda: st.select_tokens(  # noqa: E731
+        q, w, keys, mask, positions, implementation="pallas", backend="mosaic", interpret=True, **kw
+    )
+    assert traced_kernels(run) == {"candidate_pool_scores_mosaic": 1, "top_pools": 1}
+    got = run()
+    np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
+    assert (np.asarray(want) >= 0).any()
+
+
+def test_the_mosaic_kernel_refuses_what_it_cannot_take():
+    q, w, keys, mask, positions = kernel_case(0, 1, 8, 4, 4, 0)  # index heads of 32
+    kw = dict(index_topk=8, pool_size=4, implementation="pallas", backend="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="index head dim must be one of \\(64, 128\\)"):
+        st.select_tokens(q, w, keys, mask, positions, **kw)
+    q, w, keys, mask, positions = kernel_case(0, 1, 2, 4, 4, 0, nh=65, hd=64)
+    with pytest.raises(ValueError, match="at most 64 heads"):
+        st.select_tokens(q, w, keys, mask, positions, **kw)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        st.select_tokens(q, w, keys, mask, positions, index_topk=8, pool_size=4, backend="cuda")
