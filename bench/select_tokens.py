@@ -1,14 +1,20 @@
-"""DSA's token selection (`pallas_kernels.select_tokens`) on the GPU, through the reference's
-candidate scores (jnp) and through the kernel, with what the model's cached DSA layer does with its
-rows (the workspace write, and the padding to the latent attention kernel's blocks of 64 tokens), at
-the wider config's shapes (bench/model_gpu.py: 32 index heads of 128, top-k 2048 in pools of 4): the
-decode step at batch 8 over 4096 cached tokens and prefills of 1 x 4096 and 1 x 16384 (--long adds
-1 x 65536). Prints, per implementation, the GPU time a call (sum of its kernels in a profiler trace),
-the rows whose selection differs from the reference's, and the costliest kernels with their HLO result
-and op; with --hlo DIR, writes those kernels' fused computations there. Rows for bench/results.jsonl:
-op `select_tokens` per shape (ours: the kernels' GPU ms a call; baseline: the jnp reference's).
+"""DSA's token selection (`pallas_kernels.select_tokens`) on the GPU, through the reference's candidate
+scores (jnp), through the Triton kernels and through the Mosaic GPU scores kernel
+(`backend="mosaic"`, the top-k kernel after it), with what the model's cached DSA layer does with
+its rows (the workspace write, and the padding to the latent attention kernel's blocks of 64
+tokens), at the wider config's shapes (bench/model_gpu.py: 32 index heads of 128, top-k 2048 in
+pools of 4): decode steps at batch 8 over 4096 cached tokens and batch 64 over 131072, prefills of 1
+x 4096, 1 x 16384 and 1 x 65536. Beside them jla's indexer top-k
+(`jla.ops.mosaic_gpu.dsa.index_topk`, radix select; from ../shared/peers/ when importable) over the
+prefill's T tokens as keys: DeepSeek-V3.2's indexer without pools, 4x the products of ours at pools
+of 4 (it has no decode form). Prints, per implementation, the GPU time a call (sum of its kernels in
+a profiler trace), the rows whose selection differs from the reference's, and the costliest kernels
+with their HLO result and op; with --hlo DIR, writes those kernels' fused computations there. Rows
+for bench/results.jsonl: op `select_tokens` per shape (ours: the default kernels' GPU ms a call;
+configs: the Mosaic GPU scores'; baseline: the jnp reference's; roofline: max(products / MATMUL,
+(pool keys read + scores written and read) / HBM)).
 
-    python -m bench.select_tokens [--long] [--hlo DIR] [--results bench/results.jsonl]
+    python -m bench.select_tokens [--shapes NAME,...] [--hlo DIR] [--results bench/results.jsonl]
 
 With --blocks "64x128,32x128,..." it times the candidates' scores kernel alone over those (queries x
 pools) program blocks at the prefill shapes instead, each checked against the default block's scores.
@@ -22,25 +28,62 @@ import re
 import jax
 import jax.numpy as jnp
 
-from bench.common import Results, add_results_argument, fusion_sources, trace_kernels
+from bench.common import HBM, MATMUL, Results, add_results_argument, fusion_sources, trace_kernels
 from pallas_kernels import select_tokens
 from pallas_kernels.select_tokens import candidate_scores_triton
 
 SHAPES = {  # name: (batch, queries, keys in the cache, valid keys)
     "decode, batch 8, 4096 cached": (8, 1, 4160, 4097),
+    "decode, batch 64, 131072 cached": (64, 1, 131136, 131073),
     "prefill 1 x 4096": (1, 4096, 4096, 4096),
     "prefill 1 x 16384": (1, 16384, 16384, 16384),
+    "prefill 1 x 65536": (1, 65536, 65536, 65536),
 }
-LONG_SHAPES = {"prefill 1 x 65536": (1, 65536, 65536, 65536)}
 HEADS, HEAD_DIM, TOPK, POOL = 32, 128, 2048, 4
+IMPLEMENTATIONS = {  # name: select_tokens' (implementation, backend)
+    "reference": ("reference", "triton"),
+    "pallas": ("pallas", "triton"),
+    "pallas, Mosaic GPU scores": ("pallas", "mosaic"),
+}
 
 
-def selection_step(q_idx, head_weights, pool_keys, key_valid, positions, workspace, implementation):
+def roofline_ms(b, t, n_valid):
+    """max(products / MATMUL, bytes / HBM): each query's visible pools against its heads, the pool
+    keys read once and the [T, n_pools] fp32 scores written and read once."""
+    pools = n_valid // POOL
+    seen = sum(min(pools, (n_valid - t + i + 1) // POOL) for i in range(t)) if t > 1 else pools
+    flops = 2 * b * seen * HEADS * HEAD_DIM
+    bytes_ = b * pools * HEAD_DIM * 2 + 2 * 4 * b * t * pools
+    return 1e3 * max(flops / MATMUL, bytes_ / HBM)
+
+
+def jla_index_topk_ms(b, t):
+    """jla's indexer top-k (radix select) over T tokens as keys, the design without pools (T x T / 2
+    products, 4x ours at pools of 4, top 2048 tokens), GPU ms a call; or why it did not run."""
+    try:
+        from jla.ops.mosaic_gpu import dsa as jla_dsa
+    except ImportError as e:
+        return f"not importable: {e}"
+    if t == 1:
+        return "no decode form (its queries are its keys)"
+    ks = jax.random.split(jax.random.key(1), 3)
+    q_idx = jax.random.normal(ks[0], (b, t, HEADS, HEAD_DIM), jnp.bfloat16)
+    k_idx = jax.random.normal(ks[1], (b, t, HEAD_DIM), jnp.bfloat16)
+    w_idx = jax.random.normal(ks[2], (b, t, HEADS), jnp.bfloat16)
+    topk = jax.jit(lambda q, k, w: jla_dsa.index_topk(q, k, w, TOPK, method="radix"))
+    try:
+        per_name, _ = trace_kernels(functools.partial(topk, q_idx, k_idx, w_idx), 5)
+        return sum(per_name.values())
+    except Exception as e:  # a peer that does not take this shape: say so
+        return f"failed: {type(e).__name__}: {str(e)[:160]}"
+
+
+def selection_step(q_idx, head_weights, pool_keys, key_valid, positions, workspace, implementation, backend):
     """The selection and its two consumers in `dsa.dsa_layer_cached`: the last query's row into the
     workspace (where the row was written), and the rows padded for the latent attention."""
     indices = select_tokens.select_tokens(
         q_idx, head_weights, pool_keys, key_valid, positions, index_topk=TOPK, pool_size=POOL,
-        implementation=implementation,
+        implementation=implementation, backend=backend,
     )
     rows = jnp.pad(indices[:, -1], [(0, 0), (0, workspace.shape[1] - indices.shape[-1])], constant_values=-1)
     workspace = jnp.where((positions[:, -1] >= 0)[:, None], rows, workspace)
@@ -103,7 +146,7 @@ def time_score_blocks(blocks):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--long", action="store_true", help="add the prefill of 1 x 65536")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     parser.add_argument("--hlo", metavar="DIR", help="write the costliest kernels' fused computations here")
     parser.add_argument("--blocks", help="time the scores kernel alone over these QUERIESxPOOLS blocks, comma-separated")
     add_results_argument(parser)
@@ -113,16 +156,20 @@ def main():
     hlo_dir = options.hlo
     print("devices:", jax.devices())
     results = Results(options.results)
-    step = jax.jit(selection_step, static_argnames="implementation")
-    shapes = {**SHAPES, **(LONG_SHAPES if options.long else {})}
-    for shape_name, shape in shapes.items():
+    step = jax.jit(selection_step, static_argnames=("implementation", "backend"))
+    for shape_name in filter(None, options.shapes.split(",")):
+        shape = SHAPES[shape_name]
         args = inputs(*shape)
         selected, gpu_ms, differ = {}, {}, 0
-        for impl in ("reference", "pallas"):
-            run = functools.partial(step, *args, implementation=impl)
-            per_name, launches = trace_kernels(run, 5)
+        for impl, (implementation, backend) in IMPLEMENTATIONS.items():
+            run = functools.partial(step, *args, implementation=implementation, backend=backend)
+            try:
+                per_name, launches = trace_kernels(run, 5)
+            except Exception as e:  # a kernel that does not compile or run: say so and go on
+                print(f"\n{shape_name}, {impl}: failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
             selected[impl] = run()[1]
-            hlo = step.lower(*args, implementation=impl).compile().as_text()  # for the names and fusions
+            hlo = step.lower(*args, implementation=implementation, backend=backend).compile().as_text()
             sources = fusion_sources(hlo)
             ranked = sorted(((ms, launches[name], name) for name, ms in per_name.items()), reverse=True)[:8]
             differ = int((jnp.sort(selected[impl], -1) != jnp.sort(selected["reference"], -1)).any(-1).sum())
@@ -138,10 +185,18 @@ def main():
                 with open(os.path.join(hlo_dir, f"select_{impl}_{shape[0]}x{shape[1]}.txt"), "w") as f:
                     for name, body in bodies.items():
                         f.write(f"==== {name}\n{body}\n\n")
+        peer = jla_index_topk_ms(shape[0], shape[1])
+        roofline = roofline_ms(shape[0], shape[1], shape[3])
+        print(f"\n{shape_name}: jla index_topk, radix, tokens as keys: {peer}; our roofline {roofline:.4f} ms")
+        if "pallas" not in gpu_ms:
+            continue
         results.add(
             "select_tokens", shape_name, gpu_ms["pallas"],
             metric="GPU ms a call (the kernels' sum in a profiler trace of 5 calls)",
-            baselines={"jnp reference": gpu_ms["reference"]}, rows_differing=differ, rows=shape[0] * shape[1],
+            baselines={"jnp reference": gpu_ms.get("reference")}, roofline=roofline, rows_differing=differ,
+            rows=shape[0] * shape[1],
+            configs={"Mosaic GPU scores": gpu_ms[name] for name in ["pallas, Mosaic GPU scores"] if name in gpu_ms},
+            peers={"jla index_topk, tokens as keys (4x the products)": peer} if isinstance(peer, float) else {},
         )
 
 

@@ -317,9 +317,12 @@ def sparse_latent_attention_kernel(
     sms = sm_count() if jax.default_backend() == "gpu" else 1
     splits = config.splits or max(1, min(blocks, sms // queries))
     steps = -(-blocks // splits)
-    stages = config.stages or next(
-        (s for s in (3, 2) if shared_bytes(r, rows.dtype, steps, s) <= SMEM_BYTES), 1
-    )
+    stages = config.stages or next((s for s in (3, 2) if shared_bytes(r, rows.dtype, steps, s) <= SMEM_BYTES), 1)
+    if shared_bytes(r, rows.dtype, steps, stages) > SMEM_BYTES:
+        raise ValueError(
+            f"config.stages = {stages} needs {shared_bytes(r, rows.dtype, steps, stages) / 1024:.1f} KiB of shared memory"
+            f" at R = {r}, {rows.dtype} rows and {steps * BLOCK_ROWS} selected a CTA; at most {SMEM_BYTES // 1024}"
+        )
     pad = [(0, 0), (0, splits * steps * BLOCK_ROWS - row_ids.shape[1])]
     row_ids = jnp.pad(row_ids, pad, constant_values=-1).reshape(queries, splits, steps, BLOCK_ROWS)
     row_scales = jnp.pad(row_scales, pad).reshape(queries, splits, steps, BLOCK_ROWS)

@@ -318,3 +318,12 @@ def test_mosaic_kernel_takes_what_it_supports():
     assert traced_kernels(run) == {}
     want = la.sparse_latent_attention_reference(q, latents, indices, scale=0.125)
     np.testing.assert_array_equal(np.asarray(run()), np.asarray(want))
+
+
+def test_mosaic_stages_that_do_not_fit_are_named():
+    """Three bf16 staging buffers beside the rest at R = 512 and 2051 selected: 280 KiB of 227."""
+    q, latents, indices = random_case(5, 1, 1, 64, 512, 2100, 2051)
+    with pytest.raises(ValueError, match="config.stages = 3 needs 280.2 KiB of shared memory"):
+        la.sparse_latent_attention(
+            q, latents, indices, scale=0.125, implementation="pallas", interpret=True, config=la.MosaicConfig(stages=3)
+        )
