@@ -277,12 +277,14 @@ class TestSparseLatentAttentionMosaic(TestSparseLatentAttention):
     """The Mosaic GPU kernel through `sparse_latent_attention` (a `MosaicConfig`), under Pallas'
     race detector: one query over fp8 pages whose selection is narrower than a block; few heads
     (padded to 64) with ragged, empty and repeated rows in two splits; two head groups at the model's
-    latent width with every staging buffer in use; more splits than blocks (a part with nothing)."""
+    latent width over fp8 pages with three staging buffers in use; more splits than blocks (a part
+    with nothing)."""
 
     cases = {
         "one query, fp8 pages, 20 selected": dict(b=2, t=1, h=64, r=128, s=96, w=20, fp8=True),
         "4 heads, ragged, empty and repeated rows, 2 splits": dict(b=2, t=3, h=4, r=128, s=80, w=70, splits=2),
-        "128 heads, R = 512, 3 stages, one row past 2 blocks": dict(b=1, t=2, h=128, r=512, s=150, w=65, stages=3),
+        "128 heads, R = 512, fp8 pages, 3 stages, one row past 2 blocks": dict(b=1, t=2, h=128, r=512, s=192, w=65, fp8=True,
+                                                                              stages=3),
         "5 splits over 4 blocks, 1 stage": dict(b=1, t=2, h=16, r=256, s=200, w=100, splits=5, stages=1),
     }
     kernels = {"sparse_latent_attention_mosaic": 1}
