@@ -33,8 +33,8 @@ def decode(b, h, d):
     return lambda x: kda_api.kda_decode_step(**x, lower_bound=-5.0, implementation="pallas"), (args,)
 
 
-def attention(b, t, s, splits, fp8=False):
-    config = latent_attention.KernelConfig(splits=splits)
+def attention(b, t, s, splits, fp8=False, mosaic=False):
+    config = (latent_attention.MosaicConfig if mosaic else latent_attention.KernelConfig)(splits=splits)
     if not fp8:
         return (lambda q, l, i: latent_attention.sparse_latent_attention(
             q, l, i, scale=1 / 16, implementation="pallas", config=config, distinct_indices=True),
@@ -46,9 +46,9 @@ def attention(b, t, s, splits, fp8=False):
          sds((b * pages, 64), jnp.float32), sds((b, t, 2051), jnp.int32), sds((b, pages), jnp.int32)))
 
 
-def selection(b, t, s):
+def selection(b, t, s, backend="triton"):
     return (lambda q, w, k, m, p: select_tokens.select_tokens(
-        q, w, k, m, p, index_topk=2048, pool_size=4, implementation="pallas"),
+        q, w, k, m, p, index_topk=2048, pool_size=4, implementation="pallas", backend=backend),
         (sds((b, t, 32, 128), jnp.bfloat16), sds((b, t, 32), jnp.float32), sds((b, s // 4, 128), jnp.bfloat16),
          sds((b, s), jnp.bool_), sds((b, t), jnp.int32)))
 
@@ -75,8 +75,12 @@ CASES = {
     "attention_prefill_4096": attention(1, 4096, 4096, 1),
     "attention_decode_8x32768": attention(8, 1, 32768, 32),
     "attention_decode_fp8_8x4096": attention(8, 1, 4096, None, fp8=True),
+    "attention_prefill_4096_mosaic": attention(1, 4096, 4096, 1, mosaic=True),
+    "attention_decode_fp8_64x32768_mosaic": attention(64, 1, 32768, 2, fp8=True, mosaic=True),  # 2 splits: the GPU's choice
     "selection_decode_8x4160": selection(8, 1, 4160),
     "selection_prefill_4096": selection(1, 4096, 4096),
+    "selection_decode_64x131072_mosaic": selection(64, 1, 131072, backend="mosaic"),
+    "selection_prefill_4096_mosaic": selection(1, 4096, 4096, backend="mosaic"),
     "grouped_matmul_65536_rows": grouped_matmul(65536, 128, 4096, 4096),
     "grouped_matmul_64_rows": grouped_matmul(64, 64, 2048, 4096),
 }

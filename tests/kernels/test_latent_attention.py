@@ -291,6 +291,8 @@ class TestSparseLatentAttentionMosaic(TestSparseLatentAttention):
     lowering_cases = {
         "prefill of 4096": (dict(b=1, t=4096, s=4096, fp8=False), ["mosaic_gpu_v2"]),
         "decode over fp8 pages": (dict(b=8, t=1, s=32768, fp8=True), ["mosaic_gpu_v2"]),
+        # Half the selection a CTA, as 132 SMs split it at B = 64.
+        "decode B=64 over fp8 pages, 2 splits": (dict(b=64, t=1, s=32768, fp8=True, splits=2), ["mosaic_gpu_v2"]),
     }
 
     def config(self, splits, stages):
@@ -305,9 +307,9 @@ class TestSparseLatentAttentionMosaic(TestSparseLatentAttention):
         assert not gpu_callbacks.get_races().races_found  # of the kernel's run just before
         super().compare(got, want, **shape)
 
-    def lowering_args(self, b, t, s, fp8):
+    def lowering_args(self, b, t, s, fp8, splits=None):
         args, kwargs = super().lowering_args(b, t, s, fp8)
-        return args, dict(kwargs, config=la.MosaicConfig())
+        return args, dict(kwargs, config=la.MosaicConfig(splits=splits))
 
 
 def test_mosaic_kernel_takes_what_it_supports():
