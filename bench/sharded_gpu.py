@@ -10,8 +10,9 @@ HBM, plus the bytes its collectives send over NVLink) and the ratio.
 
 Phases, each layout's in a child process of its own (its memory, and a failure, its own):
 - load: `checkpoints/make_random.py` writes a release-format checkpoint of the released widths
-  with `--load-layers` layers into DIR/load (once); `load_checkpoint(DIR/load, layout=)`: seconds,
-  peak host memory (VmHWM of the loading process), memory per GPU after it. The released 45 layers
+  with `--load-layers` layers (default 12: 128.6 GiB) into DIR/load (once);
+  `load_checkpoint(DIR/load, layout=)`: seconds, peak host memory (VmHWM of the loading process),
+  memory per GPU after it. The released 45 layers
   (585 GiB of bf16 files) do not fit an 8-GPU machine's 235 GB disk: the load is measured on the
   layers that fit and reported per layer as well.
 - prefill: the whole model's random params made on the GPUs (`init_params` jitted onto the layout);
