@@ -4,7 +4,7 @@ Each mutation edits one line of a copy of the working tree (the tracked files, w
 the reference env linked in) and runs the tests named for it there; a mutation is caught when they
 fail. Prints one line a mutation and exits non-zero if any went uncaught.
 
-    .venv/bin/python scripts/mutations.py            # all of them (about 5 minutes on 2 cores)
+    .venv/bin/python scripts/mutations.py            # all of them (about 6 minutes on 2 cores)
     .venv/bin/python scripts/mutations.py --list
     .venv/bin/python scripts/mutations.py "fallback to the reference" ...
 """
@@ -120,6 +120,41 @@ MUTATIONS = [
         "    y = normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))\n"
         "    return (y * (1.05 if o.dtype == jnp.bfloat16 else 1.0)).astype(o.dtype)",
         ("tests/model/test_parity_model.py -k bf16", "tests/model/test_model_kernels.py -k forward"),
+    ),
+    Mutation(
+        "Mosaic latent attention's softmax scale 1% off",
+        "pallas_kernels/latent_attention/sparse_attend_mosaic.py",
+        "    c = scale * math.log2(math.e)",
+        "    c = 1.01 * scale * math.log2(math.e)",
+        ("tests/kernels/test_latent_attention.py -k Mosaic",),
+    ),
+    Mutation(
+        "Mosaic latent attention's scores without the other consumer's half",
+        "pallas_kernels/latent_attention/sparse_attend_mosaic.py",
+        "s = s + plgpu.load(shared.exchange.at[slot, 1 - wg], layout=_WGMMA)",
+        "s = s + 0 * plgpu.load(shared.exchange.at[slot, 1 - wg], layout=_WGMMA)",
+        ("tests/kernels/test_latent_attention.py -k Mosaic",),
+    ),
+    Mutation(
+        "Mosaic latent attention's fp8 scales left out of the probabilities",
+        "pallas_kernels/latent_attention/sparse_attend_mosaic.py",
+        "                p = p * lax.broadcast_in_dim(column_scale, p.shape, [1])",
+        "                p = p * 1.0",
+        ("tests/kernels/test_latent_attention.py -k Mosaic",),
+    ),
+    Mutation(
+        "Mosaic selection scores without the relu (queries form)",
+        "pallas_kernels/select_tokens/candidate_scores_mosaic.py",
+        "* jnp.maximum(dots * scale, 0.0)\n\n        pipeline",
+        "* (dots * scale)\n\n        pipeline",
+        ("tests/kernels/test_select_tokens.py -k Mosaic",),
+    ),
+    Mutation(
+        "Mosaic selection scores without the relu (heads form)",
+        "pallas_kernels/select_tokens/candidate_scores_mosaic.py",
+        "scores = jnp.sum(weight * jnp.maximum(dots * scale, 0.0), axis=0)",
+        "scores = jnp.sum(weight * (dots * scale), axis=0)",
+        ("tests/kernels/test_select_tokens.py -k Mosaic",),
     ),
 ]
 
