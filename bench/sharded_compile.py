@@ -2,14 +2,14 @@
 bytes of one step by kind, and a floor for the step's time from them.
 
     .venv-gpu-compile/bin/python -m bench.sharded_compile [--layers 45] [--layouts tp:8,tp-ep:8,dp-ep:8]
-        [--phases decode,prefill] [--json bench/sharded_compile.json] [--results bench/results.jsonl]
+        [--phases decode:64x32768,prefill:8192] [--json bench/sharded_compile.json] [--results bench/results.jsonl]
 
 Needs JAX's CUDA plugin (`.venv-gpu-compile`, see bench/decode_compile.py); nothing is materialised:
 parameters and caches are abstract arrays placed by the layout on 8 compile-only H200s
-(`jax.experimental.topologies`, topology 1x1x8), and the Pallas kernels lower for them. Phases:
-prefill of 8192 tokens (batch 1) and the decode step at batch 64 over 32768 cached tokens (fp8
-latents); a layout that splits the batch (dp-ep) prefills one 8192-token sequence on each of its
-batch shards. Each compile runs in a child process (the released model's takes minutes).
+(`jax.experimental.topologies`, topology 1x1x8), and the Pallas kernels lower for them. Phases (by
+default): prefill of 8192 tokens (batch 1) and the decode step at batch 64 over 32768 cached tokens
+(fp8 latents); a layout that splits the batch (dp-ep) prefills one sequence on each of its batch
+shards. Each compile runs in a child process (the released model's takes minutes).
 
 Collective bytes are each op's buffer (all-reduce: its operand; all-gather: its result; reduce-
 scatter: its operand; all-to-all and collective-permute: their operand), and what a device sends in
@@ -32,7 +32,18 @@ from bench.decode_compile import H200_TARGET
 
 DEVICE = "8 compile-only NVIDIA H200s (no GPU)"
 NVLINK = 450e9
-PHASES = {"prefill": dict(batch=1, tokens=8192), "decode": dict(batch=64, cached=32768)}
+PHASES = "decode:64x32768,prefill:8192"  # decode:BATCHxCACHED, prefill:TOKENS (batch 1)
+
+
+def phase_shape(text):
+    """("decode", dict(batch, cached)) or ("prefill", dict(batch=1, tokens)) from a --phases entry."""
+    kind, _, size = text.partition(":")
+    if kind == "decode":
+        batch, cached = map(int, size.split("x"))
+        return kind, dict(batch=batch, cached=cached)
+    if kind == "prefill":
+        return kind, dict(batch=1, tokens=int(size))
+    raise ValueError(f"a phase is decode:BATCHxCACHED or prefill:TOKENS, got {text!r}")
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
          "f64": 8, "s64": 8}
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -103,7 +114,7 @@ def compile_one(layout_spec, phase, layers):
                             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
     params = placed(param_shapes(config, "bfloat16"), param_axes(config))
-    p = dict(PHASES[phase])
+    phase, p = phase_shape(phase)
     if phase == "prefill":  # a layout that splits the batch prefills one sequence a batch shard
         p["batch"] = max(p["batch"], layout.size("batch"))
     batch_axes = lambda n: ("batch",) + (None,) * (n - 1)  # noqa: E731
@@ -131,6 +142,7 @@ def compile_one(layout_spec, phase, layers):
     sent = sum(v["sent_bytes"] for v in found.values())
     return {
         "layout": layout_spec, "phase": phase, "layers": config.num_hidden_layers, "compile_s": round(seconds, 1),
+        **{k: v for k, v in p.items() if k != "batch"},
         "batch": p["batch"],
         "argument_bytes": memory.argument_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
         "output_bytes": memory.output_size_in_bytes, "weight_bytes": weights, "collectives": found,
@@ -142,7 +154,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, help="layers (default: the released 45)")
     parser.add_argument("--layouts", default="tp:8,tp-ep:8,dp-ep:8")
-    parser.add_argument("--phases", default="decode,prefill")
+    parser.add_argument("--phases", default=PHASES, help="decode:BATCHxCACHED and prefill:TOKENS, comma-separated")
     parser.add_argument("--limit", type=float, default=1800, help="seconds a compile may take")
     parser.add_argument("--json", help="append each result as a line of JSON here")
     parser.add_argument("--one", nargs=2, metavar=("LAYOUT", "PHASE"), help=argparse.SUPPRESS)

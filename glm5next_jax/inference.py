@@ -56,7 +56,7 @@ def _prefill(
     params, config: Config, ids, valid, offset, cache, implementation=None, interpret=False, layout=None,
     return_internals=False,
 ):
-    streams = embed(params, ids, config)
+    streams = embed(params, ids, config, layout)
     streams, cache, internals = _cached_layers(
         params, config, streams, cache, valid, False, implementation, interpret, layout
     )
@@ -74,7 +74,7 @@ def _prefill(
     jax.jit, static_argnames=("config", "implementation", "interpret", "layout"), donate_argnames="cache"
 )
 def _decode(params, config: Config, token_ids, cache, implementation=None, interpret=False, layout=None):
-    streams = embed(params, token_ids[:, None], config)
+    streams = embed(params, token_ids[:, None], config, layout)
     valid = jnp.ones(token_ids.shape + (1,), jnp.bool_)
     streams, cache, _ = _cached_layers(params, config, streams, cache, valid, True, implementation, interpret, layout)
     return final_logits(params, streams, config, layout)[:, 0], cache

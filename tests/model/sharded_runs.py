@@ -122,6 +122,29 @@ def collectives_of_the_decode_step():
     return out
 
 
+def embedding_lookup():
+    """The bf16 embedding lookup of one decode token and of a prefill under each layout against one
+    device's (bitwise), and whether it ran as a shard_map (its vocabulary split) with one psum."""
+    from glm5next_jax.model import embed
+
+    config, params = model("bfloat16")
+    out = {}
+    for spec in LAYOUTS:
+        layout = make_layout(spec)
+        sharded = shard_params(params, config, layout)
+        entry = {}
+        for name, shape in (("decode", (BATCH, 1)), ("prefill", (BATCH, 37))):
+            ids = np.random.default_rng(shape[1]).integers(0, config.vocab_size, shape).astype(np.int32)
+            ids[0, 0], ids[-1, -1] = 0, config.vocab_size - 1  # the table's first and last rows
+            lookup = jax.jit(lambda p, i, layout=layout: embed(p, i, config, layout))
+            got = np.asarray(lookup(sharded, jax.device_put(ids, layout.sharding(("batch", None)))), np.float32)
+            want = np.asarray(embed(params, ids, config), np.float32)
+            text = str(jax.make_jaxpr(lookup)(sharded, ids))
+            entry[name] = {"equal": bool((got == want).all()), "shard_maps": text.count("shard_map"), "psums": text.count("psum")}
+        out[spec] = entry
+    return out
+
+
 def kernels_under_shard_map():
     """Every kernel the bf16 model launches under each layout (chosen as on a GPU, interpreted) is
     inside a shard_map; at widths every kernel takes on its shards (KDA and DSA heads of 64, MoE
