@@ -4,8 +4,8 @@ One CTA attends one query with 64 heads over its selection (or one part of it, `
 of `BLOCK_ROWS` selected rows, with three warpgroups:
 - the producer gathers each block's rows by TMA, one copy per row, into a staging buffer (row-major:
   Hopper's TMA cannot write single rows into the 8-row tiles wgmma reads), and converts them to bf16
-  in the tiled, swizzled operand buffer (fp8 rows are dequantised there, their scales applied to the
-  scores and probabilities instead);
+  in the tiled, swizzled operand buffer (a scaled row, fp8's, is multiplied by its scale there and
+  rounded to bf16, as the reference reads the cache);
 - two consumers each own half of the latent width R: the scores q . c are summed from their two
   halves through shared memory, then both keep the same online softmax (base 2) and each multiplies
   the probabilities into its half of the output.
@@ -111,7 +111,7 @@ def _allocations(r, row_dtype, steps, stages):
     )
 
 
-def _produce(rows_ref, shared: _Shared, *, steps, stages):
+def _produce(rows_ref, shared: _Shared, *, scaled, steps, stages):
     """Gather each block's rows into staging (`stages` blocks ahead) and convert them into the
     operand ring for the consumers."""
     r = rows_ref.shape[-1]
@@ -143,8 +143,13 @@ def _produce(rows_ref, shared: _Shared, *, steps, stages):
             for tile in range(BLOCK_ROWS // 8):
                 rows = pl.ds(tile * 8, 8)
                 block = plgpu.load(shared.staging.at[stage, rows], layout=_copy_layout(r), optimized=False)
-                if block.dtype != jnp.bfloat16:  # e4m3 -> f16 -> bf16: exact, the hardware's path
+                if block.dtype != jnp.bfloat16:  # e4m3 -> f16: exact, the hardware's path
                     block = block.astype(jnp.float16)
+                if scaled:  # the rows scaled, then rounded to bf16, as the reference reads the cache
+                    layout = _copy_layout(r)
+                    row_scales = plgpu.load(shared.scales.at[step, rows], layout=layout.reduce(1), optimized=False)
+                    by_row = plgpu.layout_cast(lax.broadcast_in_dim(row_scales, block.shape, [0]), layout)
+                    block = block.astype(jnp.float32) * by_row
                 shared.operands[slot, rows] = block.astype(jnp.bfloat16)
         plgpu.commit_smem()
         plgpu.barrier_arrive(shared.ready.at[slot])
@@ -157,7 +162,7 @@ def _produce(rows_ref, shared: _Shared, *, steps, stages):
         plgpu.barrier_wait(shared.consumed.at[step % 2])
 
 
-def _consume(shared: _Shared, wg, *, scale, scaled, steps):
+def _consume(shared: _Shared, wg, *, scale, steps):
     """One consumer's walk over the blocks: (its [64, R / 2] output in chunks of VALUE_CHUNK
     columns, the softmax's running max (base 2) and sum [64])."""
     half = shared.q.shape[-1]
@@ -183,15 +188,11 @@ def _consume(shared: _Shared, wg, *, scale, scaled, steps):
             s = s + plgpu.load(shared.exchange.at[slot, 1 - wg], layout=_WGMMA)
         with jax.named_scope("softmax"):
             chosen = plgpu.load(shared.ids.at[step], layout=_COL, optimized=False) >= 0
-            column_scale = plgpu.load(shared.scales.at[step], layout=_COL, optimized=False)
-            s = s * lax.broadcast_in_dim(column_scale * c, s.shape, [1])
-            s = jnp.where(lax.broadcast_in_dim(chosen, s.shape, [1]), s, -jnp.inf)
+            s = jnp.where(lax.broadcast_in_dim(chosen, s.shape, [1]), s * c, -jnp.inf)
             new_top = jnp.maximum(top, s.max(axis=1))
             alpha = jnp.exp2(top - new_top)
             p = jnp.exp2(s - lax.broadcast_in_dim(new_top, s.shape, [0]))
             total = total * alpha + p.sum(axis=1)
-            if scaled:
-                p = p * lax.broadcast_in_dim(column_scale, p.shape, [1])
         with jax.named_scope("values"):
             # P goes through shared memory (from registers it would not, but Pallas' interpreter,
             # which the tests run, reads a product's A from memory).
@@ -242,12 +243,12 @@ def _kernel(q_ref, rows_ref, ids_ref, scales_ref, *out_refs, scale, scaled, step
         @pl.when(wg == 2)
         def _():
             plgpu.set_max_registers(40, action="decrease")
-            _produce(rows_ref, shared, steps=steps, stages=stages)
+            _produce(rows_ref, shared, scaled=scaled, steps=steps, stages=stages)
 
         @pl.when(wg < 2)
         def _():
             plgpu.set_max_registers(232, action="increase")
-            acc, top, total = _consume(shared, wg, scale=scale, scaled=scaled, steps=steps)
+            acc, top, total = _consume(shared, wg, scale=scale, steps=steps)
             norm = lax.broadcast_in_dim(jnp.where(total > 0, total, 1.0), acc[0].shape, [0])
             width = acc[0].shape[1]
             with jax.named_scope("store"):
