@@ -28,6 +28,7 @@ import functools
 import glob
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -250,6 +251,23 @@ def commit():
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+uncommitted" if changed else "")
+
+
+def run_child(cmd, limit, label):
+    """The JSON of the last line `cmd` prints (run from the repository root), or None after printing
+    why there is none as a table row that starts with `label`: a child process per measurement keeps
+    each one's memory, and its failure, its own."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        print(f"| {label} | not done in {limit:.0f} s |", flush=True)
+        return None
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or ["(no output)"]
+        raised = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b", line)]  # the exception's line
+        print(f"| {label} | failed: {(raised or lines)[-1][:300]} |", flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def add_results_argument(parser):

@@ -23,11 +23,10 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
-from bench.common import HBM, ROOT, Results, add_results_argument
+from bench.common import HBM, Results, add_results_argument, run_child
 from bench.decode_compile import H200_TARGET
 
 DEVICE = "8 compile-only NVIDIA H200s (no GPU)"
@@ -174,15 +173,9 @@ def main():
             cmd = [sys.executable, "-m", "bench.sharded_compile", "--one", layout, phase] + (
                 ["--layers", str(args.layers)] if args.layers else []
             )
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit, cwd=ROOT)
-            except subprocess.TimeoutExpired:
-                print(f"| {layout} | {phase} | not compiled in {args.limit:.0f} s |", flush=True)
+            r = run_child(cmd, args.limit, f"{layout} | {phase}")
+            if r is None:
                 continue
-            if done.returncode:
-                print(f"| {layout} | {phase} | failed: {done.stderr.strip().splitlines()[-1][:300]} |", flush=True)
-                continue
-            r = json.loads(done.stdout.strip().splitlines()[-1])
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(r) + "\n")

@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from bench.common import HBM, ROOT, Results, add_results_argument
+from bench.common import HBM, ROOT, Results, add_results_argument, run_child
 
 NVLINK = 450e9  # bytes/s a direction, as bench/sharded_compile.py
 GPU_BYTES = 139 * 2**30  # an H200's usable memory
@@ -377,21 +377,13 @@ def main():
     if {"load", "check"} & set(phases):
         make_checkpoints(args)
     results = Results(args.results)
-    passed = [a for a in sys.argv[2:]]
+    passed = sys.argv[2:]
     print("| layout | phase | shape | ms | tokens/s | floor ms | ratio | GiB a GPU | other |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for layout in args.layouts.split(","):
         for phase in phases:
             cmd = [sys.executable, "-m", "bench.sharded_gpu", "one", "--one", layout, phase, *passed]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit, cwd=ROOT)
-            except subprocess.TimeoutExpired:
-                print(f"| {layout} | {phase} | not done in {args.limit:.0f} s |", flush=True)
-                continue
-            if done.returncode:
-                print(f"| {layout} | {phase} | failed: {done.stderr.strip().splitlines()[-1][:300]} |", flush=True)
-                continue
-            for row in json.loads(done.stdout.strip().splitlines()[-1]):
+            for row in run_child(cmd, args.limit, f"{layout} | {phase}") or []:
                 report(results, layout, row)
 
 

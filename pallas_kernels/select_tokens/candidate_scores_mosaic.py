@@ -44,6 +44,17 @@ def unsupported(q_idx, pool_keys):
     return None
 
 
+def _products(q_smem, keys_smem):
+    """q [64, hd] times the pools' keys [BLOCK_POOLS, hd] transposed, fp32 [64, BLOCK_POOLS]."""
+    with jax.named_scope("product"):
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, keys_smem.transpose((1, 0)))
+            return acc_ref[...]
+
+        return pl.run_scoped(product, plgpu.ACC((ROWS, BLOCK_POOLS), jnp.float32))
+
+
 def _masked(scores, candidate):
     """-inf where not a candidate; -0.0 as +0.0, so that a ranking sees one zero."""
     return jnp.where(candidate, jnp.where(scores == 0, 0.0, scores), -jnp.inf)
@@ -75,13 +86,7 @@ def _queries_kernel(q_ref, w_ref, keys_ref, valid_ref, visible_ref, seen_ref, ou
 
         def head(indices, q_smem, total):
             (h,) = indices
-            with jax.named_scope("product"):
-
-                def product(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, keys_smem.transpose((1, 0)))
-                    return acc_ref[...]
-
-                dots = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+            dots = _products(q_smem, keys_smem)
             with jax.named_scope("relu_weigh"):
                 weight = plgpu.load(w_smem.at[h], layout=_ROW, optimized=False)
                 return total + lax.broadcast_in_dim(weight, shape, [0]) * jnp.maximum(dots * scale, 0.0)
@@ -117,13 +122,7 @@ def _heads_kernel(q_ref, w_ref, keys_ref, valid_ref, visible_ref, out_ref, q_sme
 
     def block(indices, keys_smem, valid_smem):
         (i,) = indices
-        with jax.named_scope("product"):
-
-            def product(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, keys_smem.transpose((1, 0)))
-                return acc_ref[...]
-
-            dots = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+        dots = _products(q_smem, keys_smem)
         with jax.named_scope("relu_weigh"):
             scores = jnp.sum(weight * jnp.maximum(dots * scale, 0.0), axis=0)  # [BLOCK_POOLS]
         pools = pl.ds(first + i * BLOCK_POOLS, BLOCK_POOLS)
