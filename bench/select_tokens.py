@@ -14,7 +14,7 @@ for bench/results.jsonl: op `select_tokens` per shape (ours: the default kernels
 configs: the Mosaic GPU scores'; baseline: the jnp reference's; roofline: max(products / MATMUL,
 (pool keys read + scores written and read) / HBM)).
 
-    python -m bench.select_tokens [--shapes NAME,...] [--hlo DIR] [--results bench/results.jsonl]
+    python -m bench.select_tokens [--shapes "NAME;NAME..."] [--hlo DIR] [--results bench/results.jsonl]
 
 With --blocks "64x128,32x128,..." it times the candidates' scores kernel alone over those (queries x
 pools) program blocks at the prefill shapes instead, each checked against the default block's scores.
@@ -146,7 +146,7 @@ def time_score_blocks(blocks):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    parser.add_argument("--shapes", default=";".join(SHAPES), help="names of SHAPES, separated by ';'")
     parser.add_argument("--hlo", metavar="DIR", help="write the costliest kernels' fused computations here")
     parser.add_argument("--blocks", help="time the scores kernel alone over these QUERIESxPOOLS blocks, comma-separated")
     add_results_argument(parser)
@@ -157,7 +157,7 @@ def main():
     print("devices:", jax.devices())
     results = Results(options.results)
     step = jax.jit(selection_step, static_argnames=("implementation", "backend"))
-    for shape_name in filter(None, options.shapes.split(",")):
+    for shape_name in filter(None, options.shapes.split(";")):
         shape = SHAPES[shape_name]
         args = inputs(*shape)
         selected, gpu_ms, differ = {}, {}, 0
