@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from bench.common import HBM, ROOT, Results, add_results_argument, run_child
+from bench.common import HBM, ROOT, Results, add_results_argument, median_ms, run_child
 
 NVLINK = 450e9  # bytes/s a direction, as bench/sharded_compile.py
 GPU_BYTES = 139 * 2**30  # an H200's usable memory
@@ -111,18 +111,6 @@ def fits(compiled, limit):
         return True, None
     total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
     return total <= limit, total
-
-
-def median_ms(run, n):
-    import jax
-
-    jax.block_until_ready(run())  # compiled and warm
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(1e3 * (time.perf_counter() - start))
-    return float(np.median(times))
 
 
 def random_params(config, layout, seed=0):

@@ -38,8 +38,8 @@ VALUE_CHUNK = 128  # output columns a product of P and the values adds at a time
 LATENT_DIMS = (128, 256, 512)  # halves of whole 64-column tiles for the two consumers
 ROW_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)  # the cache as it is read; other dtypes are cast first
 MAX_SELECTED = 4096  # the per-CTA row ids and scales live in shared memory
-# An H200 CTA's shared memory (232448 bytes), less what Mosaic GPU adds to the kernel's buffers
-# (barriers, alignment, its reductions' scratch: 3920 bytes at R = 512 with fp8 rows, 3 stages).
+# An H200 CTA's shared memory (232448 bytes), less a reserve for what Mosaic GPU adds to the
+# kernel's buffers (barriers, alignment, its reductions' scratch: about 4 KiB at R = 512).
 SMEM_BYTES = 232448 - 8192
 
 _WGMMA = plgpu.Layout.WGMMA
