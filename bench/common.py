@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results.jsonl"
 HBM = 4.3e12  # bytes/s, read + written: a device-to-device copy on the H200 (the roofline's bandwidth)
 MATMUL = 705e12  # FLOP/s: a plain bf16 matmul through XLA on the H200 (the roofline's compute rate)
+FP8_MATMUL = 1580e12  # FLOP/s: dense e4m3 wgmma on the H200 (cuBLASLt's per-tensor FP8 GEMM at 8192^3)
 
 REQUIRED = {  # field: the types its value may take
     "date": (str,),

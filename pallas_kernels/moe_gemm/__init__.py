@@ -1,8 +1,21 @@
 """The MoE's grouped GEMM: each expert's rows times that expert's weight over an expert-tiled row
-layout (`api`), the Mosaic GPU kernel (`grouped_matmul_mosaic`) and its reference (`reference`)."""
+layout (`api`), in bf16 (`grouped_matmul_mosaic`) and in block-scaled FP8 (`grouped_matmul_fp8_mosaic`)
+on Mosaic GPU, and their references (`reference`)."""
 
-from pallas_kernels.moe_gemm.api import ExpertTiles, expert_tiles, grouped_matmul, max_tiles, plan
+from pallas_kernels.moe_gemm.api import (
+    ExpertTiles,
+    expert_tiles,
+    grouped_matmul,
+    grouped_matmul_fp8,
+    max_tiles,
+    plan,
+    plan_fp8,
+)
+from pallas_kernels.moe_gemm.grouped_matmul_fp8_mosaic import Fp8GemmConfig
 from pallas_kernels.moe_gemm.grouped_matmul_mosaic import GemmConfig
-from pallas_kernels.moe_gemm.reference import grouped_matmul_reference
+from pallas_kernels.moe_gemm.reference import grouped_matmul_fp8_reference, grouped_matmul_reference
 
-__all__ = ["ExpertTiles", "GemmConfig", "expert_tiles", "grouped_matmul", "grouped_matmul_reference", "max_tiles", "plan"]
+__all__ = [
+    "ExpertTiles", "Fp8GemmConfig", "GemmConfig", "expert_tiles", "grouped_matmul", "grouped_matmul_fp8",
+    "grouped_matmul_fp8_reference", "grouped_matmul_reference", "max_tiles", "plan", "plan_fp8",
+]

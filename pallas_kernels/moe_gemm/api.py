@@ -15,9 +15,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.block_fp8 import BLOCK, FP8, blocks
 from pallas_kernels.common import pick_implementation, sm_count
+from pallas_kernels.moe_gemm.grouped_matmul_fp8_mosaic import Fp8GemmConfig, grouped_matmul_fp8_kernel
 from pallas_kernels.moe_gemm.grouped_matmul_mosaic import GemmConfig, grouped_matmul_kernel
-from pallas_kernels.moe_gemm.reference import grouped_matmul_reference
+from pallas_kernels.moe_gemm.reference import grouped_matmul_fp8_reference, grouped_matmul_reference
 
 
 class ExpertTiles(NamedTuple):
@@ -121,4 +123,76 @@ def grouped_matmul(
     sms = 2 if interpret else sm_count()
     return grouped_matmul_kernel(
         x, weights, tile_experts.astype(jnp.int32), used_tiles, config=config, interpret=interpret, sms=sms
+    )
+
+
+def _check_fp8(x, x_scales, weights, weight_scales, tile_experts, used_tiles):
+    if x.ndim != 2 or weights.ndim != 3 or x.shape[1] != weights.shape[2]:
+        raise ValueError(f"grouped_matmul_fp8: x [M, K] and weights [G, N, K] expected, got {x.shape} and {weights.shape}")
+    m, k = x.shape
+    g, n, _ = weights.shape
+    if x_scales.shape != (m, blocks(k)):
+        raise ValueError(f"grouped_matmul_fp8: x_scales must be [M, ceil(K / 128)] = {(m, blocks(k))}, got {x_scales.shape}")
+    if weight_scales.shape != (g, blocks(n), blocks(k)):
+        raise ValueError(
+            f"grouped_matmul_fp8: weight_scales must be [G, ceil(N / 128), ceil(K / 128)] = {(g, blocks(n), blocks(k))},"
+            f" got {weight_scales.shape}"
+        )
+    for name, a in (("x", x), ("weights", weights)):
+        if a.dtype != FP8:
+            raise ValueError(f"grouped_matmul_fp8: {name} must be {jnp.dtype(FP8)}, got {a.dtype}")
+    _check(x, jnp.swapaxes(weights, 1, 2), tile_experts, used_tiles)
+
+
+def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig):
+    n, k = weights.shape[1:]
+    if config.block_rows not in (64, 128):
+        return f"block_rows must be 64 or 128, got {config.block_rows}"
+    if k % BLOCK or n % BLOCK:
+        return f"N = {n} and K = {k} must be multiples of {BLOCK} (whole scale blocks)"
+    return None
+
+
+def plan_fp8(implementation, weights, *, rows: int, interpret=False):
+    """(implementation, Fp8GemmConfig) for the block-scaled FP8 grouped GEMMs of one MoE call, as
+    `plan` picks for bf16: 128-row tiles when the experts average over 64 rows, else 64."""
+    experts = weights[0].shape[0]
+    config = Fp8GemmConfig(block_rows=128 if rows > 64 * experts else 64)
+    picks = {
+        pick_implementation(implementation, _fp8_kernel_unsupported(w, config), jnp.bfloat16, interpret=interpret)
+        for w in weights
+    }
+    if picks == {"pallas"}:
+        return "pallas", config
+    return "reference", Fp8GemmConfig(block_rows=1)
+
+
+def grouped_matmul_fp8(
+    x, x_scales, weights, weight_scales, tile_experts, used_tiles, *, implementation=None,
+    config: Fp8GemmConfig = Fp8GemmConfig(), interpret=False,
+):
+    """Block-scaled FP8 (W8A8) grouped GEMM: x [T * block_rows, K] e4m3 rows in the tiled layout of
+    `expert_tiles` with x_scales [T * block_rows, ceil(K / 128)] fp32 (1 x 128 groups), weights
+    [G, N, K] e4m3 (torch's [out, in]) with weight_scales [G, ceil(N / 128), ceil(K / 128)] fp32
+    (128 x 128 blocks), tile_experts [T] int32, used_tiles [] int32 -> [T * block_rows, N] bf16.
+
+    The kernel takes N and K in whole blocks of 128 and block_rows == config.block_rows; its rows
+    of tiles past `used_tiles` are unwritten (zero from the reference). `interpret` as for
+    `grouped_matmul`.
+    """
+    _check_fp8(x, x_scales, weights, weight_scales, tile_experts, used_tiles)
+    impl = pick_implementation(
+        implementation, _fp8_kernel_unsupported(weights, config), jnp.bfloat16, interpret=interpret
+    )
+    if impl == "reference":
+        return grouped_matmul_fp8_reference(x, x_scales, weights, weight_scales, tile_experts, used_tiles)
+    if x.shape[0] != tile_experts.shape[0] * config.block_rows:
+        raise ValueError(
+            f"grouped_matmul_fp8: x must have T * block_rows = {tile_experts.shape[0]} * {config.block_rows} rows,"
+            f" got {x.shape[0]}"
+        )
+    sms = 2 if interpret else sm_count()
+    return grouped_matmul_fp8_kernel(
+        x, x_scales.T, weights, weight_scales.astype(jnp.float32), tile_experts.astype(jnp.int32), used_tiles,
+        config=config, interpret=interpret, sms=sms,
     )

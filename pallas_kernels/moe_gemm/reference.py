@@ -1,7 +1,10 @@
-"""The grouped GEMM's pure-jnp reference: XLA's ragged_dot over the same tiled layout."""
+"""The grouped GEMMs' pure-jnp references: XLA's ragged_dot over the same tiled layout, in bf16 or
+fp32 operands and in block-scaled FP8 ones dequantized."""
 
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels.block_fp8 import dequantize_blocks, dequantize_rows
 
 
 def grouped_matmul_reference(x, weights, tile_experts, used_tiles):
@@ -12,3 +15,13 @@ def grouped_matmul_reference(x, weights, tile_experts, used_tiles):
     group_sizes = jnp.bincount(tile_experts, weights=used, length=weights.shape[0]).astype(jnp.int32) * block_rows
     out = lax.ragged_dot(x, weights, group_sizes, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
+
+
+def grouped_matmul_fp8_reference(x, x_scales, weights, weight_scales, tile_experts, used_tiles):
+    """The block-scaled FP8 product: x [T * block_rows, K] fp8 with x_scales [T * block_rows,
+    ceil(K / 128)] (1 x 128 groups), weights [G, N, K] fp8 with weight_scales [G, ceil(N / 128),
+    ceil(K / 128)] (128 x 128 blocks), tile_experts [T], used_tiles [] -> [T * block_rows, N] bf16:
+    both operands dequantized exactly in fp32, multiplied in fp32; rows of unused tiles are zero."""
+    x = dequantize_rows(x, x_scales)
+    w = jnp.swapaxes(dequantize_blocks(weights, weight_scales), 1, 2)
+    return grouped_matmul_reference(x, w, tile_experts, used_tiles).astype(jnp.bfloat16)

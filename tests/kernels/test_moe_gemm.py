@@ -15,7 +15,7 @@ from kernel_case import KernelCase
 
 from glm5next_jax.config import Config
 from glm5next_jax.layers import mlp
-from pallas_kernels import moe_gemm
+from pallas_kernels import block_fp8, moe_gemm
 from pallas_kernels.common import lower_for_h200
 
 # bf16 outputs: one ulp of the largest is 2^-8 of it; the kernel and the reference round the same
@@ -246,3 +246,105 @@ class TestGroupedMatmul(KernelCase):
         args = (sds((tiles * block_rows, k), jnp.bfloat16), sds((288, k, n), jnp.bfloat16), sds((tiles,), jnp.int32),
                 sds((), jnp.int32))
         return args, dict(config=moe_gemm.GemmConfig(block_rows=block_rows))
+
+
+def fp8_operands(key, sizes, k, n, block_rows):
+    """Rows and weights quantized block by block from values whose blocks differ in size by up to
+    2^12 (a scale read from the wrong block shows), with an all-zero weight block and a zero row."""
+    kx, kw, ksx, ksw = jax.random.split(key, 4)
+    rows, kb, nb = sum(sizes), -(-k // 128), -(-n // 128)
+    x = jax.random.normal(kx, (rows, k)) * jnp.exp2(jax.random.randint(ksx, (rows, kb), -6, 6)).repeat(128, 1)[:, :k]
+    w = jax.random.normal(kw, (len(sizes), n, k)) * k**-0.5
+    w = w * jnp.exp2(jax.random.randint(ksw, (len(sizes), nb, kb), -6, 6)).repeat(128, 1).repeat(128, 2)[:, :n, :k]
+    x = x.at[0].set(0)
+    w = w.at[-1, :128, :128].set(0)
+    x_q, x_s = block_fp8.quantize_rows(x)
+    w_q, w_s = block_fp8.quantize_blocks(w)
+    tiles = moe_gemm.expert_tiles(jnp.array(sizes, jnp.int32), rows, block_rows)
+    m = tiles.tile_experts.shape[0] * block_rows
+    x_tiled = jnp.zeros((m, k), x_q.dtype).at[tiles.slots].set(x_q)
+    s_tiled = jnp.ones((m, x_s.shape[1]), jnp.float32).at[tiles.slots].set(x_s)
+    return (x_q, x_s, w_q, w_s), tiles, (x_tiled, s_tiled, w_q, w_s, tiles.tile_experts, tiles.used_tiles)
+
+
+@pytest.mark.parametrize("k, n", [(256, 128), (200, 70)])  # whole blocks; partial blocks in both dimensions
+def test_fp8_reference_matches_numpy(k, n):
+    """The reference against fp8 values times their block's scale, multiplied per expert in numpy."""
+    sizes = [3, 0, 70, 1]
+    (x_q, x_s, w_q, w_s), tiles, args = fp8_operands(jax.random.key(k), sizes, k, n, 64)
+    out = moe_gemm.grouped_matmul_fp8_reference(*args)
+    x = np.asarray(x_q, np.float32) * np.repeat(np.asarray(x_s), 128, 1)[:, :k]
+    w = np.asarray(w_q, np.float32) * np.repeat(np.repeat(np.asarray(w_s), 128, 1), 128, 2)[:, :n, :k]
+    assert out.shape == (args[0].shape[0], n) and out.dtype == jnp.bfloat16
+    got = np.asarray(out, np.float32)[np.asarray(tiles.slots)]
+    assert relative_error(got, numpy_products(x, np.swapaxes(w, 1, 2), sizes)) < TOLERANCE
+
+
+class TestGroupedMatmulFp8(KernelCase):
+    """Through `grouped_matmul_fp8`: 64-row tiles (the warpgroups split the columns) and 128-row
+    tiles (they split the rows), empty and one-row experts, ragged tails, two K steps and two
+    column blocks, one K step under three stages, more items than CTAs, a zero weight block and a
+    zero row; block scales spread over 2^12."""
+
+    cases = {
+        "64-row tiles, empty and one-row experts": dict(sizes=(100, 0, 1, 64, 135), k=256, n=256, block_rows=64, stages=2),
+        "128-row tiles, more items than CTAs": dict(sizes=(40, 90, 7, 0, 128, 300), k=128, n=384, block_rows=128, stages=3),
+    }
+    kernels = {"moe_grouped_matmul_fp8": 1}
+    tolerance = TOLERANCE
+    lowering_cases = {
+        "prefill's gate_up": (dict(rows=65536, block_rows=128, k=4096, n=4096), ["mosaic_gpu_v2"]),
+        "decode's down": (dict(rows=512, block_rows=64, k=2048, n=4096), ["mosaic_gpu_v2"]),
+    }
+
+    def inputs(self, key, sizes, k, n, block_rows, stages):
+        _, _, args = fp8_operands(key, list(sizes), k, n, block_rows)
+        return args, dict(config=moe_gemm.Fp8GemmConfig(block_rows=block_rows, stages=stages))
+
+    def kernel(self, *args, interpret=True, config=None):
+        if interpret:  # the race detector checks the pipeline's slots
+            interpret = plgpu.InterpretGPUParams(detect_races=True)
+        out = moe_gemm.grouped_matmul_fp8(*args, implementation="pallas", config=config, interpret=interpret)
+        if interpret and not isinstance(out, jax.core.Tracer):  # run, not traced
+            assert not gpu_callbacks.get_races().races_found
+        return out
+
+    def reference(self, *args, config=None):
+        return moe_gemm.grouped_matmul_fp8_reference(*args)
+
+    def compare(self, got, want, sizes, block_rows, **_):
+        used = sum(-(-size // block_rows) for size in sizes) * block_rows  # rows past the used tiles: unwritten
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert relative_error(got[:used], want[:used]) < TOLERANCE
+
+    def lowering_args(self, rows, block_rows, k, n):
+        tiles, sds, fp8 = moe_gemm.max_tiles(rows, 288, block_rows), jax.ShapeDtypeStruct, jnp.float8_e4m3fn
+        m = tiles * block_rows
+        args = (sds((m, k), fp8), sds((m, k // 128), jnp.float32), sds((288, n, k), fp8),
+                sds((288, n // 128, k // 128), jnp.float32), sds((tiles,), jnp.int32), sds((), jnp.int32))
+        return args, dict(config=moe_gemm.Fp8GemmConfig(block_rows=block_rows))
+
+
+def test_fp8_bad_arguments_are_named():
+    _, _, args = fp8_operands(jax.random.key(0), [3, 5], 256, 128, 64)
+    x, x_s, w, w_s, tile_experts, used = args
+    with pytest.raises(ValueError, match="weights \\[G, N, K\\]"):
+        moe_gemm.grouped_matmul_fp8(x[:, :128], x_s, w, w_s, tile_experts, used)
+    with pytest.raises(ValueError, match="x_scales must be \\[M, ceil\\(K / 128\\)\\]"):
+        moe_gemm.grouped_matmul_fp8(x, x_s[:, :1], w, w_s, tile_experts, used)
+    with pytest.raises(ValueError, match="weight_scales must be \\[G, ceil\\(N / 128\\), ceil\\(K / 128\\)\\]"):
+        moe_gemm.grouped_matmul_fp8(x, x_s, w, w_s[:, :, :1], tile_experts, used)
+    with pytest.raises(ValueError, match="x must be float8_e4m3fn"):
+        moe_gemm.grouped_matmul_fp8(x.astype(jnp.bfloat16), x_s, w, w_s, tile_experts, used)
+    with pytest.raises(ValueError, match="N = 200 and K = 256 must be multiples of 128"):
+        moe_gemm.grouped_matmul_fp8(x, x_s, jnp.zeros((2, 200, 256), w.dtype), jnp.ones((2, 2, 2)), tile_experts, used,
+                                    implementation="pallas")
+    with pytest.raises(ValueError, match="T \\* block_rows"):
+        moe_gemm.grouped_matmul_fp8(*args, implementation="pallas", config=moe_gemm.Fp8GemmConfig(block_rows=128))
+
+
+def test_fp8_plan_picks_tiles_by_rows_per_expert():
+    w = (jax.ShapeDtypeStruct((288, 4096, 4096), jnp.float8_e4m3fn),)
+    assert moe_gemm.plan_fp8("pallas", w, rows=65536) == ("pallas", moe_gemm.Fp8GemmConfig(block_rows=128))
+    assert moe_gemm.plan_fp8("pallas", w, rows=512) == ("pallas", moe_gemm.Fp8GemmConfig(block_rows=64))
+    assert moe_gemm.plan_fp8(None, w, rows=512)[0] == "reference"  # on the CPU

@@ -1,0 +1,147 @@
+"""The MoE's grouped GEMM with block-scaled FP8 operands (W8A8) on Hopper in Pallas Mosaic GPU, over
+the expert-tiled row layout of `api.expert_tiles`.
+
+Rows come quantized in 1 x 128 groups (a scale per row and 128 columns of K), weights in 128 x 128
+blocks, both e4m3 and K-major (wgmma takes 8-bit operands only K-major; the release stores weights
+[out, in], which is K-major already). Each 128-wide slice of K is one wgmma into a fresh
+accumulator, which is then scaled by its rows' scales times its weight block's scale and added to
+the running sum in float32 registers: Hopper's FP8 wgmma accumulates with reduced precision, so no
+product runs longer than one scale block (DeepGEMM's scheme).
+
+A CTA computes a [block_rows, 128] output tile, one weight-scale block wide; its two compute
+warpgroups split the rows (128-row tiles) or the columns (64-row tiles), each holding a 64 x 128 or
+64 x 64 running sum beside the fresh product. A third warpgroup feeds them by TMA. The CTAs walk
+their share of the (tile, column block) items column blocks fastest, as the bf16 kernel does.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.block_fp8 import BLOCK
+
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = _WGMMA.reduce(1)
+_OPERAND = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))  # a 128-byte row: one K slice
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmConfig:
+    """`block_rows` rows per tile (64 or 128); `stages` K slices in flight. Columns go 128 a CTA and
+    K 128 a step: one scale block each."""
+
+    block_rows: int = 128
+    stages: int = 4
+
+
+def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, n_tiles):
+    bm, bn = config.block_rows, BLOCK
+    k, n = x_ref.shape[1], w_ref.shape[1]
+    col_blocks = n // bn
+    split_rows = bm == 2 * 64  # else the warpgroups split the columns of a 64-row tile
+    wg_m, wg_n = (64, bn) if split_rows else (bm, bn // 2)
+    out_swizzle = plgpu.find_swizzle(wg_n * 16)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k // BLOCK,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bm, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((bn, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((None, bm), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.stages,
+            compute_context=context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(x_ref, w_ref.at[0], x_scales_ref),
+        out_smem=plgpu.SMEM((2, wg_m, wg_n), o_ref.dtype, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def scope(allocations, out_smem):
+        wg = lax.axis_index("wg")
+        wg_rows = pl.ds(wg * 64, 64) if split_rows else pl.ds(0, bm)
+        wg_cols = pl.ds(0, bn) if split_rows else pl.ds(wg * wg_n, wg_n)
+        used_tiles = used_ref[0]
+
+        @plgpu.nd_loop((n_tiles * col_blocks,), collective_axes="sm")
+        def tile_loop(info):
+            (index,) = info.index
+            tile, col_block = index // col_blocks, index % col_blocks
+
+            @pl.when(tile < used_tiles)
+            def _():
+                expert = tile_experts_ref[tile]
+                rows = pl.ds(tile * bm, bm)
+                cols = pl.ds(col_block * bn, bn)
+
+                def context(run_pipeline):
+                    acc = run_pipeline(plgpu.layout_cast(jnp.zeros((wg_m, wg_n), jnp.float32), _WGMMA))
+                    with jax.named_scope("store"):
+                        # The previous tile's store from this buffer must be done reading it.
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = acc.astype(out_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg],
+                            o_ref.at[pl.ds(tile * bm + wg_rows.start, wg_m), pl.ds(col_block * bn + wg_cols.start, wg_n)],
+                        )
+
+                def multiply(indices, x_smem, w_smem, x_scales_smem, acc):
+                    (kk,) = indices
+                    with jax.named_scope("multiply"):
+                        w_scale = w_scales_ref[expert, col_block, kk]
+
+                        def product(part_ref):
+                            plgpu.wgmma(part_ref, x_smem.at[wg_rows], w_smem.at[wg_cols].transpose((1, 0)))
+                            return part_ref[...]
+
+                        part = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
+                    with jax.named_scope("scale"):
+                        row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False) * w_scale
+                        # The read (generic proxy) ordered before the slot's refill by TMA (async proxy).
+                        plgpu.commit_smem()
+                        return acc + part * lax.broadcast_in_dim(row_scales, part.shape, [0])
+
+                pipeline(multiply, context)(
+                    x_ref.at[rows, :], w_ref.at[expert].at[cols, :], x_scales_ref.at[:, rows], allocations=allocations
+                )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def grouped_matmul_fp8_kernel(x, x_scales_t, weights, weight_scales, tile_experts, used_tiles, *, config, interpret, sms):
+    """x [T * block_rows, K] fp8, x_scales_t [K / 128, T * block_rows] fp32 (scales K-block major: a
+    step's row scales are one TMA row), weights [G, N, K] fp8, weight_scales [G, N / 128, K / 128]
+    fp32 -> [T * block_rows, N] bf16."""
+    n_tiles = tile_experts.shape[0]
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, config=config, n_tiles=n_tiles),
+        out_type=jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.bfloat16),
+        grid=(sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
+        if interpret else None,
+        kernel_name="moe_grouped_matmul_fp8",
+    )
+    return kernel(
+        tile_experts, jnp.reshape(used_tiles, (1,)).astype(jnp.int32), weight_scales, x, x_scales_t, weights
+    )
