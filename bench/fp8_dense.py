@@ -38,18 +38,9 @@ PROJECTIONS = {  # name: (K, N), torch's [out = N, in = K]
 
 
 def fp8_linear(x, w, w_s, *, implementation, config):
-    """x [M, K] bf16 through the block-scaled weights w [N, K] e4m3 (w_s [N / 128, K / 128]): the rows
-    quantized per 1 x 128 group, padded to whole tiles, one group."""
-    m = x.shape[0]
+    """x [M, K] bf16 through the block-scaled weights w [N, K] e4m3 (w_s [N / 128, K / 128])."""
     x_q, x_s = block_fp8.quantize_rows(x)
-    tiles = -(-m // config.block_rows)
-    pad = tiles * config.block_rows - m
-    x_q, x_s = jnp.pad(x_q, [(0, pad), (0, 0)]), jnp.pad(x_s, [(0, pad), (0, 0)], constant_values=1.0)
-    out = moe_gemm.grouped_matmul_fp8(
-        x_q, x_s, w[None], w_s[None], jnp.zeros((tiles,), jnp.int32), jnp.int32(tiles),
-        implementation=implementation, config=config,
-    )
-    return out[:m]
+    return moe_gemm.matmul_fp8(x_q, x_s, w, w_s, implementation=implementation, config=config)
 
 
 def main():

@@ -7,14 +7,22 @@ Layout: weights are [in, out] (torch Linear transposed). The tree is
     layer = {"attn_hc", "ffn_hc": {fn, base, scale}, "input_norm", "post_attention_norm": [D],
              "attn": KDA or DSA params (see layers/kda.py, layers/dsa.py),
              "mlp": dense {gate_up, down} or MoE params (see layers/mlp.py)}
+
+In the FP8 form (`fp8=True`) the linears the release stores block-scaled (`Leaf.converted`: the
+dense MLPs, the routed and shared experts, DSA's q_a and kv_a projections) are `Fp8Weight` nodes in
+torch's [out, in] layout instead; DSA's q_b and o projections reach the model absorbed with kv_b
+(q_absorb, o_absorb), which stay in the model dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import block_fp8
 
 from .config import DSA, Config
 
@@ -25,9 +33,35 @@ class Leaf:
     axes: tuple[str | None, ...]  # one logical axis name (or None) per dimension
     fp32: bool = False  # kept in fp32 whatever the model dtype (gates, conv, mHC, router, ape)
     init: str = "normal"  # "normal" (std 0.02), "ones" or "zeros"
+    converted: bool = False  # a linear [*batch, in, *out] the release stores block-scaled in FP8
+    batch_dims: int = 0  # leading dimensions that are not the linear's (the experts)
+    float8: bool = False  # stored e4m3 (an Fp8Weight's weight)
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+
+class Fp8Weight(NamedTuple):
+    """A linear's block-scaled FP8 weight, as the release stores it: `weight` e4m3 [*batch, *out, in]
+    (torch's layout: K-major, as FP8 wgmma reads its operands) and `scale` fp32 [*batch, *out[:-1],
+    ceil(out[-1] / 128), ceil(in / 128)], one per 128 x 128 block of the last two axes (value =
+    weight x scale). Both carry the logical axes of the dimensions they span."""
+
+    weight: Any
+    scale: Any
+
+
+def to_out_in(dims: tuple, batch_dims: int = 0) -> tuple:
+    """A linear's dimensions (shape or logical axes) [*batch, in, *out] in torch's order [*batch, *out, in]."""
+    b = batch_dims
+    return dims[:b] + dims[b + 1:] + (dims[b],)
+
+
+def fp8_leaf(leaf: Leaf) -> Fp8Weight:
+    """The FP8 form's specs of a converted linear's bf16 spec [*batch, in, *out]."""
+    shape, axes = to_out_in(leaf.shape, leaf.batch_dims), to_out_in(leaf.axes, leaf.batch_dims)
+    scale = shape[:-2] + (block_fp8.blocks(shape[-2]), block_fp8.blocks(shape[-1]))
+    return Fp8Weight(Leaf(shape, axes, float8=True), Leaf(scale, axes, fp32=True))
 
 
 def _kda_spec(c: Config):
@@ -50,10 +84,10 @@ def _kda_spec(c: Config):
 def _dsa_spec(c: Config, layer: int):
     d, heads, r, ql = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.q_lora_rank
     spec = {
-        "q_a_proj": Leaf((d, ql), ("embed", "q_lora")),
+        "q_a_proj": Leaf((d, ql), ("embed", "q_lora"), converted=True),
         "q_a_norm": Leaf((ql,), ("q_lora",), init="ones"),
         "q_absorb": Leaf((ql, heads * r), ("q_lora", "heads_latent")),
-        "kv_a_proj": Leaf((d, r), ("embed", "kv_lora")),
+        "kv_a_proj": Leaf((d, r), ("embed", "kv_lora"), converted=True),
         "kv_a_norm": Leaf((r,), ("kv_lora",), init="ones"),
         "o_absorb": Leaf((heads * r, d), ("heads_latent", "embed")),
     }
@@ -74,8 +108,8 @@ def _dsa_spec(c: Config, layer: int):
 def _dense_mlp_spec(c: Config, intermediate: int):
     d = c.hidden_size
     return {
-        "gate_up": Leaf((d, 2, intermediate), ("embed", None, "mlp")),
-        "down": Leaf((intermediate, d), ("mlp", "embed")),
+        "gate_up": Leaf((d, 2, intermediate), ("embed", None, "mlp"), converted=True),
+        "down": Leaf((intermediate, d), ("mlp", "embed"), converted=True),
     }
 
 
@@ -85,8 +119,8 @@ def _moe_spec(c: Config):
         # The router stays replicated: every rank must pick the same experts.
         "router": Leaf((d, e), (None, None), fp32=True),
         "router_bias": Leaf((e,), (None,), fp32=True, init="zeros"),
-        "experts_gate_up": Leaf((e, d, 2, i), ("experts", "embed", None, "expert_mlp")),
-        "experts_down": Leaf((e, i, d), ("experts", "expert_mlp", "embed")),
+        "experts_gate_up": Leaf((e, d, 2, i), ("experts", "embed", None, "expert_mlp"), converted=True, batch_dims=1),
+        "experts_down": Leaf((e, i, d), ("experts", "expert_mlp", "embed"), converted=True, batch_dims=1),
     }
     if c.n_shared_experts > 0:
         spec["shared"] = _dense_mlp_spec(c, i * c.n_shared_experts)
@@ -103,7 +137,10 @@ def _hc_spec(c: Config):
     }
 
 
-def param_spec(config: Config):
+def param_spec(config: Config, fp8: bool = False):
+    """The tree of `Leaf` specs; with fp8, the converted linears as `Fp8Weight` nodes of specs."""
+    if fp8:
+        return jax.tree.map(lambda leaf: fp8_leaf(leaf) if leaf.converted else leaf, param_spec(config), is_leaf=_is_leaf)
     c = config
     d, v = c.hidden_size, c.vocab_size
     layers = []
@@ -131,21 +168,54 @@ def _is_leaf(x):
 
 
 def leaf_dtype(leaf: Leaf, dtype) -> jnp.dtype:
+    if leaf.float8:
+        return jnp.dtype(block_fp8.FP8)
     return jnp.dtype(jnp.float32) if leaf.fp32 else jnp.dtype(dtype)
 
 
-def param_shapes(config: Config, dtype="bfloat16"):
+def param_shapes(config: Config, dtype="bfloat16", fp8: bool = False):
     """Tree of jax.ShapeDtypeStruct, the exact structure `load_checkpoint` and `init_params` return."""
-    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, leaf_dtype(l, dtype)), param_spec(config), is_leaf=_is_leaf)
+    spec = param_spec(config, fp8)
+    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, leaf_dtype(l, dtype)), spec, is_leaf=_is_leaf)
 
 
-def param_axes(config: Config):
+def param_axes(config: Config, fp8: bool = False):
     """Tree of logical-axis tuples, one name (or None) per dimension of each parameter."""
-    return jax.tree.map(lambda l: l.axes, param_spec(config), is_leaf=_is_leaf)
+    return jax.tree.map(lambda l: l.axes, param_spec(config, fp8), is_leaf=_is_leaf)
 
 
-def init_params(config: Config, key, dtype="bfloat16"):
-    """Random parameters (normal, std 0.02; norms ones) for benchmarks and tests without a checkpoint."""
+def quantize_linear(w, leaf: Leaf) -> Fp8Weight:
+    """A converted linear [*batch, in, *out] in its FP8 form, 128 x 128 blocks of amax / 448."""
+    return Fp8Weight(*block_fp8.quantize_blocks(jnp.transpose(w, to_out_in(tuple(range(w.ndim)), leaf.batch_dims))))
+
+
+def dequantize_linear(w: Fp8Weight, leaf: Leaf, dtype) -> jax.Array:
+    """The values of a converted linear's FP8 form, back in the layout [*batch, in, *out] and `dtype`."""
+    b = leaf.batch_dims
+    values = block_fp8.dequantize_blocks(w.weight, w.scale)
+    return jnp.moveaxis(values, -1, b).astype(dtype)
+
+
+def quantize_params(params, config: Config):
+    """The FP8 form of a parameter tree: each converted linear quantized, the rest as it is."""
+    return jax.tree.map(
+        lambda leaf, x: quantize_linear(x, leaf) if leaf.converted else x, param_spec(config), params, is_leaf=_is_leaf
+    )
+
+
+def dequantize_params(params, config: Config, dtype="bfloat16"):
+    """The plain form of an FP8 tree: each Fp8Weight's values in `dtype`, exactly (fp32) or rounded once."""
+    return jax.tree.map(
+        lambda leaf, x: dequantize_linear(x, leaf, dtype) if leaf.converted else x,
+        param_spec(config), params, is_leaf=lambda x: _is_leaf(x) or isinstance(x, Fp8Weight),
+    )
+
+
+def init_params(config: Config, key, dtype="bfloat16", fp8: bool = False):
+    """Random parameters (normal, std 0.02; norms ones) for benchmarks and tests without a checkpoint;
+    with fp8, the converted linears quantized from such values."""
+    if fp8:
+        return quantize_params(init_params(config, key, dtype), config)
     spec = param_spec(config)
     leaves, treedef = jax.tree.flatten(spec, is_leaf=_is_leaf)
     keys = jax.random.split(key, len(leaves))

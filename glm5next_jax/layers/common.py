@@ -3,13 +3,36 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import block_fp8, moe_gemm
+
+from ..params import Fp8Weight
+
 # fp32 weights mean fp32 arithmetic (no TF32 on GPU); bf16 weights are unaffected by this setting.
 PRECISION = jax.lax.Precision.HIGHEST
 
 
 def linear(x, w):
-    """x [..., in] times w [in, *out] -> [..., *out], in x's dtype."""
+    """x [..., in] times w [in, *out] -> [..., *out], in x's dtype; an `Fp8Weight` [*out, in] goes
+    through `fp8_linear`."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w)
     return jnp.tensordot(x, w, axes=1, precision=PRECISION).astype(x.dtype)
+
+
+def fp8_linear(x, w: Fp8Weight):
+    """W8A8, as the release runs: x's rows quantized per token in 1 x 128 groups, times the block-scaled
+    weight [*out, in], fp32 accumulation -> [..., *out] in x's dtype. `moe_gemm.matmul_fp8` (the FP8
+    kernel on a GPU) where the out dimensions flatten into whole blocks; else (gate and up each
+    ending in a partial block) the same product on the dequantized operands."""
+    k, out = x.shape[-1], w.weight.shape[:-1]
+    x_q, x_s = block_fp8.quantize_rows(x.reshape(-1, k))
+    if len(out) == 1 or out[-1] % block_fp8.BLOCK == 0:
+        weight, scale = w.weight.reshape(-1, k), w.scale.reshape(-1, w.scale.shape[-1])
+        y = moe_gemm.matmul_fp8(x_q, x_s, weight, scale)
+    else:
+        y = jnp.dot(block_fp8.dequantize_rows(x_q, x_s), block_fp8.dequantize_blocks(w.weight, w.scale).reshape(-1, k).T,
+                    precision=PRECISION)
+    return y.reshape(*x.shape[:-1], *out).astype(x.dtype)
 
 
 def inverse_rms(x, eps):

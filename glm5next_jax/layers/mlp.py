@@ -1,12 +1,14 @@
 """Clamped SwiGLU MLP and the sigmoid-routed MoE with a shared expert."""
 
-import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import moe_gemm
+from pallas_kernels import block_fp8, moe_gemm
 
+from ..params import Fp8Weight, to_out_in
 from .common import PRECISION, linear
 
 
@@ -69,35 +71,78 @@ def combine(rows, slot_of_choice, experts, weights, dtype, present=None):
 def routed_experts(p, tokens, weights, experts, config, implementation=None, interpret=False, first_expert=0):
     """The routed experts' sum for each token [N, D] (grouped GEMMs over the rows sorted by expert),
     over the experts held here: p's experts_gate_up [E_local, D, 2, I] and experts_down
-    [E_local, I, D] are experts first_expert .. first_expert + E_local - 1; a token's other choices
-    add nothing. weights, experts [N, k] from `route`."""
-    e_local = p["experts_down"].shape[0]
+    [E_local, I, D] (or their `Fp8Weight` forms) are experts first_expert .. first_expert + E_local - 1;
+    a token's other choices add nothing. weights, experts [N, k] from `route`."""
+    fp8 = isinstance(p["experts_down"], Fp8Weight)
+    e_local = (p["experts_down"].weight if fp8 else p["experts_down"]).shape[0]
     k = config.num_experts_per_tok
     here = (experts >= first_expert) & (experts < first_expert + e_local)
     local = jnp.where(here, experts - first_expert, e_local).reshape(-1)  # e_local: held elsewhere
     order = jnp.argsort(local, stable=True)
     group_sizes = jnp.bincount(local, length=e_local + 1)[:e_local].astype(jnp.int32)
-    gate_up = p["experts_gate_up"]
-    gate_up = gate_up.reshape(*gate_up.shape[:2], -1)
-    implementation, gemm = moe_gemm.plan(
-        implementation, tokens, (gate_up, p["experts_down"]), rows=order.shape[0], interpret=interpret
-    )
+    gemms = (_fp8_gemms if fp8 else _bf16_gemms)(p, tokens, order.shape[0], implementation, interpret)
     # Rows sorted by expert, each expert's starting a tile of the kernel's (one row: packed, for the
     # reference); padding slots read token 0 and their outputs are never gathered; rows of experts
     # held elsewhere sort last and get no slot.
-    tiles = moe_gemm.expert_tiles(group_sizes, order.shape[0], gemm.block_rows)
+    tiles = moe_gemm.expert_tiles(group_sizes, order.shape[0], gemms.block_rows)
     token_of_row = order // k
-    token_of_slot = jnp.zeros(tiles.tile_experts.shape[0] * gemm.block_rows, jnp.int32).at[tiles.slots].set(token_of_row)
-    run = functools.partial(
-        moe_gemm.grouped_matmul, tile_experts=tiles.tile_experts, used_tiles=tiles.used_tiles,
-        implementation=implementation, config=gemm, interpret=interpret,
-    )
-    hidden = run(tokens[token_of_slot], gate_up)
+    token_of_slot = jnp.zeros(tiles.tile_experts.shape[0] * gemms.block_rows, jnp.int32).at[tiles.slots].set(token_of_row)
+    hidden = gemms.gate_up(token_of_slot, tiles)
     hidden = clamped_swiglu(hidden.reshape(hidden.shape[0], 2, -1), config.swiglu_limit)
-    down = run(hidden, p["experts_down"])
+    down = gemms.down(hidden, tiles)
     # Where each token's choices came out in the tiled layout: the sort's inverse, through the slots.
     slot_of_choice = jnp.zeros_like(local).at[order].set(tiles.slots).reshape(experts.shape)
     return combine(down, slot_of_choice, experts, weights, tokens.dtype, here)
+
+
+class _ExpertGemms(NamedTuple):
+    block_rows: int  # the tiled layout's rows a tile
+    gate_up: Callable  # (token of each slot, tiles) -> [slots, 2 I]
+    down: Callable  # (hidden [slots, I], tiles) -> [slots, D]
+
+
+def _bf16_gemms(p, tokens, rows, implementation, interpret):
+    gate_up = p["experts_gate_up"]
+    gate_up = gate_up.reshape(*gate_up.shape[:2], -1)
+    implementation, gemm = moe_gemm.plan(implementation, tokens, (gate_up, p["experts_down"]), rows=rows, interpret=interpret)
+
+    def run(x, w, tiles):
+        return moe_gemm.grouped_matmul(x, w, tiles.tile_experts, tiles.used_tiles, implementation=implementation,
+                                       config=gemm, interpret=interpret)
+
+    return _ExpertGemms(
+        gemm.block_rows, lambda token_of_slot, tiles: run(tokens[token_of_slot], gate_up, tiles),
+        lambda hidden, tiles: run(hidden, p["experts_down"], tiles),
+    )
+
+
+def _fp8_gemms(p, tokens, rows, implementation, interpret):
+    """W8A8: tokens quantized once (1 x 128 groups) before their rows are gathered, the SwiGLU's
+    output quantized again before the down GEMM. gate and up go as one GEMM where each is whole scale
+    blocks, else as two."""
+    gate_up, down = p["experts_gate_up"], p["experts_down"]  # [E, 2, I, D], [E, D, I]
+    e, _, i, d = gate_up.weight.shape
+    if i % block_fp8.BLOCK == 0:
+        gate_up = [Fp8Weight(gate_up.weight.reshape(e, 2 * i, d), gate_up.scale.reshape(e, -1, gate_up.scale.shape[-1]))]
+    else:
+        gate_up = [Fp8Weight(gate_up.weight[:, j], gate_up.scale[:, j]) for j in (0, 1)]
+    implementation, gemm = moe_gemm.plan_fp8(implementation, [w.weight for w in gate_up] + [down.weight], rows=rows,
+                                             interpret=interpret)
+
+    def run(x, x_scales, w, tiles):
+        return moe_gemm.grouped_matmul_fp8(x, x_scales, w.weight, w.scale, tiles.tile_experts, tiles.used_tiles,
+                                           implementation=implementation, config=gemm, interpret=interpret)
+
+    x_q, x_s = block_fp8.quantize_rows(tokens)
+
+    def gate_up_rows(token_of_slot, tiles):
+        rows_q, rows_s = x_q[token_of_slot], x_s[token_of_slot]
+        return jnp.concatenate([run(rows_q, rows_s, w, tiles) for w in gate_up], axis=-1)
+
+    def down_rows(hidden, tiles):
+        return run(*block_fp8.quantize_rows(hidden), down, tiles)
+
+    return _ExpertGemms(gemm.block_rows, gate_up_rows, down_rows)
 
 
 def expert_parallel(p, tokens, config, implementation, interpret, layout):
@@ -126,9 +171,12 @@ def expert_parallel(p, tokens, config, implementation, interpret, layout):
             out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
         return out
 
+    gate_up_axes, down_axes = weight_axes, ("experts", "expert_mlp", "embed")
+    if isinstance(p["experts_down"], Fp8Weight):  # weight and scale [E, *out, in], split alike
+        gate_up_axes, down_axes = (Fp8Weight(*(to_out_in(axes, 1),) * 2) for axes in (gate_up_axes, down_axes))
     run = layout.shard_map(
         local,
-        in_axes=((None, None), (None,), weight_axes, ("experts", "expert_mlp", "embed"), ("batch", "embed")),
+        in_axes=((None, None), (None,), gate_up_axes, down_axes, ("batch", "embed")),
         out_axes=("batch", "embed"),
     )
     return run(p["router"], p["router_bias"], p["experts_gate_up"], p["experts_down"], tokens)

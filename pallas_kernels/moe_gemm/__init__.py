@@ -7,6 +7,7 @@ from pallas_kernels.moe_gemm.api import (
     expert_tiles,
     grouped_matmul,
     grouped_matmul_fp8,
+    matmul_fp8,
     max_tiles,
     plan,
     plan_fp8,
@@ -17,5 +18,5 @@ from pallas_kernels.moe_gemm.reference import grouped_matmul_fp8_reference, grou
 
 __all__ = [
     "ExpertTiles", "Fp8GemmConfig", "GemmConfig", "expert_tiles", "grouped_matmul", "grouped_matmul_fp8",
-    "grouped_matmul_fp8_reference", "grouped_matmul_reference", "max_tiles", "plan", "plan_fp8",
+    "grouped_matmul_fp8_reference", "grouped_matmul_reference", "matmul_fp8", "max_tiles", "plan", "plan_fp8",
 ]

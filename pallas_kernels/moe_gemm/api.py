@@ -196,3 +196,21 @@ def grouped_matmul_fp8(
         x, x_scales.T, weights, weight_scales.astype(jnp.float32), tile_experts.astype(jnp.int32), used_tiles,
         config=config, interpret=interpret, sms=sms,
     )
+
+
+def matmul_fp8(x, x_scales, weight, weight_scale, *, implementation=None, config=None, interpret=False):
+    """A dense block-scaled FP8 product: x [M, K] e4m3 with x_scales [M, ceil(K / 128)], weight [N, K]
+    e4m3 with weight_scale [ceil(N / 128), ceil(K / 128)] -> [M, N] bf16. The grouped GEMM over one
+    group, the rows padded to whole tiles (config None: `plan_fp8`'s, 64 rows up to 64, else 128)."""
+    m = x.shape[0]
+    implementation, planned = plan_fp8(implementation, (weight[None],), rows=m, interpret=interpret)
+    config = planned if config is None or implementation == "reference" else config
+    block_rows = config.block_rows
+    tiles = -(-m // block_rows)
+    pad = tiles * block_rows - m
+    out = grouped_matmul_fp8(
+        jnp.pad(x, [(0, pad), (0, 0)]), jnp.pad(x_scales, [(0, pad), (0, 0)], constant_values=1.0), weight[None],
+        weight_scale[None], jnp.zeros((tiles,), jnp.int32), jnp.int32(tiles),
+        implementation=implementation, config=config, interpret=interpret,
+    )
+    return out[:m]
