@@ -5,6 +5,7 @@
     python -m bench.model_gpu --decode-profile [--mlps dense] [--kernels-only]   # 4. alone
     python -m bench.model_gpu --long-profile 16384    # 5. alone
     python -m bench.model_gpu --command-buffers [--mlps dense]   # 6. alone
+    python -m bench.model_gpu --fp8 [--mlps moe]       # 7. alone
 
 1. The shipped tiny checkpoint, fp32, through the pure-jnp references: logits against the
    transformers goldens; greedy generation against transformers' cached generation. (Its KDA head
@@ -23,10 +24,15 @@
    (through the kernels alone), costliest first, with each one's HLO result and op.
 6. With --command-buffers: the kernels path's decode step compiled under each of
    `COMMAND_BUFFER_SETTINGS` (XLA's CUDA graphs), wall and GPU time a step.
+7. With --fp8: the wider configs with the release's converted linears in block-scaled FP8
+   (`init_params(..., fp8=True)`: W8A8 through the FP8 kernels) beside the same params dequantized
+   to bf16: forward 1 x 4096 and the decode step at batch 8 over 4096 cached through the kernels,
+   median ms, and the FP8 logits against the bf16 ones.
 
 Rows for bench/results.jsonl (with --results, default bench/results.jsonl): 2. as op `model_forward`
 and `model_decode` (ours: the kernels; baseline: the references), 3. as `model_forward`, 4. as
-`model_decode` (`decode_step` and `decode_unchecked` wall, with the GPU ms a step beside them).
+`model_decode` (`decode_step` and `decode_unchecked` wall, with the GPU ms a step beside them), 7.
+as `model_forward_fp8` and `model_decode_fp8` (baseline: the same params in bf16).
 """
 
 import argparse
@@ -112,6 +118,32 @@ def timings(mlps):
 
         yield (f"{mlps}: decode step, batch 8, 4096 cached", impl or "auto (pallas)", median_ms(step),
                rel(logits[impl], logits["reference"]), agreement(logits[impl], logits["reference"]))
+
+
+def fp8_timings(mlps):
+    """Rows (workload, form, ms, max|d|/max|ref| and top-1 agreement against the bf16 form) for
+    `wider_config(mlps)` in FP8 and in bf16 (the FP8 values dequantized), through the kernels."""
+    config = wider_config(mlps)
+    fp8 = glm5next_jax.init_params(config, jax.random.key(0), "bfloat16", fp8=True)
+    forms = {"bf16": glm5next_jax.params.dequantize_params(fp8, config, "bfloat16"), "fp8": fp8}
+    ids = jax.random.randint(jax.random.key(1), (1, 4096), 2, config.vocab_size)
+    logits = {}
+    for form, params in forms.items():
+        ms = median_ms(lambda params=params: glm5next_jax.forward(params, config, ids), reps=5)
+        logits[form] = glm5next_jax.forward(params, config, ids)
+        yield (f"{mlps} MLPs, forward 1 x 4096", form, ms, rel(logits[form], logits["bf16"]),
+               agreement(logits[form], logits["bf16"]))
+    cache, tokens = prefilled_cache(forms["bf16"], config)
+    for form, params in forms.items():
+        logits[form], _ = glm5next_jax.decode_step(params, config, tokens, jax.tree.map(jnp.copy, cache))
+        state = {"cache": jax.tree.map(jnp.copy, cache)}
+
+        def step(params=params):
+            out, state["cache"] = glm5next_jax.decode_step(params, config, tokens, state["cache"])
+            return out
+
+        yield (f"{mlps} MLPs, batch 8 over 4096 cached: decode_step", form, median_ms(step),
+               rel(logits[form], logits["bf16"]), agreement(logits[form], logits["bf16"]))
 
 
 def long_forward(tokens):
@@ -222,6 +254,7 @@ def main():
     parser.add_argument("--kernels-only", action="store_true", help="with --decode-profile: not the references' step")
     parser.add_argument("--long-profile", type=int, metavar="T", help="only the kernels of the forward over T tokens")
     parser.add_argument("--command-buffers", action="store_true", help="only the decode step under XLA's CUDA graphs")
+    parser.add_argument("--fp8", action="store_true", help="only the FP8 configs beside bf16")
     add_results_argument(parser)
     args = parser.parse_args()
     print("devices:", jax.devices(), "XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""))
@@ -256,6 +289,22 @@ def main():
             print("|---|---|---|---|---|---|", flush=True)
             for name, compile_s, wall, gpu, kernels, err in decode_command_buffers(mlps, COMMAND_BUFFER_SETTINGS):
                 print(f"| {name} | {compile_s:.0f} | {wall:.3f} | {gpu:.3f} | {kernels:.0f} | {err:.2e} |", flush=True)
+        return
+    if args.fp8:
+        print("\n| workload | form | median ms | logits max|d|/max|ref| vs bf16 | top-1 agreement |\n|---|---|---|---|---|")
+        for mlps in mlps_configs:
+            bf16_ms = {}
+            for name, form, ms, err, same in fp8_timings(mlps):
+                print(f"| {name} | {form} | {ms:.3f} | {err:.2e} | {same:.4f} |", flush=True)
+                if form == "bf16":
+                    bf16_ms[name] = ms
+                    continue
+                forward = "forward" in name
+                results.add(
+                    "model_forward_fp8" if forward else "model_decode_fp8", name, ms,
+                    metric=f"median wall ms a {'call (5 calls)' if forward else 'step (10 steps)'}",
+                    baselines={"bf16": bf16_ms.get(name)}, logits_difference=err, top1_agreement=same,
+                )
         return
     if args.long_profile:
         gpu, kernels, ranked = long_profile(args.long_profile)
