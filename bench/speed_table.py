@@ -23,11 +23,15 @@ OPS = {  # op: (title, the benchmark that measures it), in the README's order; o
     "kda_decode": ("KDA decode step (`kda.kda_decode_step`)", "kda"),
     "moe_gemm": ("MoE grouped GEMM (`moe_gemm.grouped_matmul`; 288 experts, 8 a token)", "moe"),
     "moe_layer": ("MoE layer (`layers.mlp.moe`, routed experts; GLM-5.3's widths)", "moe"),
+    "moe_gemm_fp8": ("MoE grouped GEMM, block-scaled FP8 (`moe_gemm.grouped_matmul_fp8`; W8A8, 288 experts)", "moe"),
+    "fp8_dense_gemm": ("Dense W8A8 projections (`layers.common.fp8_linear`; the release's converted shapes)", "fp8_dense"),
     "latent_attention": ("DSA latent attention (`latent_attention.sparse_latent_attention`; 64 heads, 2051 selected)", "dsa"),
     "select_tokens": ("DSA token selection (`select_tokens.select_tokens`; 32 index heads, top-k 2048 in pools of 4)",
                       "select_tokens"),
     "model_forward": ("Model forward (model_gpu's wider config: hidden 2048, 3 KDA + 1 DSA layers, bf16)", "model_gpu"),
     "model_decode": ("Model decode step (the wider config)", "model_gpu"),
+    "model_forward_fp8": ("Model forward in FP8 (the wider config, the release's converted linears W8A8)", "model_gpu"),
+    "model_decode_fp8": ("Model decode step in FP8 (the wider config)", "model_gpu"),
     "decode_compile": ("XLA compile of the model's decode step (the wider config)", "decode_compile"),
 }
 

@@ -154,10 +154,13 @@ def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig):
 
 
 def plan_fp8(implementation, weights, *, rows: int, interpret=False):
-    """(implementation, Fp8GemmConfig) for the block-scaled FP8 grouped GEMMs of one MoE call, as
-    `plan` picks for bf16: 128-row tiles when the experts average over 64 rows, else 64."""
+    """(implementation, Fp8GemmConfig) for the block-scaled FP8 grouped GEMMs of one call (weights
+    [G, N, K]): 128-row tiles when the groups average over 64 rows and such tiles still give every
+    SM 8 items of the narrowest GEMM, else 64-row ones (on the H100, a dense 8192 x 4096 -> 512
+    product ran 2x faster in 64-row tiles, 256 items; 4096 -> 4096, 2048 items, 14% slower)."""
     experts = weights[0].shape[0]
-    config = Fp8GemmConfig(block_rows=128 if rows > 64 * experts else 64)
+    items = max_tiles(rows, experts, 128) * min(w.shape[1] for w in weights) // BLOCK
+    config = Fp8GemmConfig(block_rows=128 if rows > 64 * experts and items >= 8 * sm_count() else 64)
     picks = {
         pick_implementation(implementation, _fp8_kernel_unsupported(w, config), jnp.bfloat16, interpret=interpret)
         for w in weights
