@@ -26,6 +26,8 @@ GOLDEN_INPUTS = [
     os.path.join(ROOT, "tests", "reference", "make_goldens.py"),
     os.path.join(ROOT, "tests", "reference", "requirements.txt"),
     os.path.join(ROOT, "checkpoints", "make_tiny.py"),
+    os.path.join(ROOT, "checkpoints", "release_tensors.py"),
+    os.path.join(ROOT, "tests", "model", "fixtures", "GLM-5.3-Flash.config.json"),
     *(os.path.join(path, f) for path in SHIPPED_MODELS.values() for f in sorted(os.listdir(path))),
 ]
 

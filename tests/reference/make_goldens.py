@@ -5,8 +5,9 @@ Runs in the reference env (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0):
     python tests/reference/make_goldens.py OUT_DIR
 
 Writes OUT_DIR/models/<name>/ (HF checkpoints of the variant configs), OUT_DIR/cases/<case>.npz
-(input ids, mask, fp32 logits, model name) and OUT_DIR/layers/<name>.npz (each module alone:
-its state dict under the decoder-layer names, inputs and outputs), then OUT_DIR/manifest.json last,
+(input ids, mask, fp32 logits, model name), OUT_DIR/layers/<name>.npz (each module alone:
+its state dict under the decoder-layer names, inputs and outputs) and OUT_DIR/release/ (transformers'
+reading of the published config.json, and the release's tensors), then OUT_DIR/manifest.json last,
 so an interrupted run is never mistaken for a complete one.
 """
 
@@ -18,12 +19,14 @@ import numpy as np
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import Glm5NextForConditionalGeneration
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration, Glm5NextTextConfig
+from transformers.configuration_utils import _LEGACY_LAYER_TYPE_REMAP, ALLOWED_ATTN_LAYER_TYPES
 from transformers.models.glm5_next import modeling_glm5_next as hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
 from make_tiny import build  # noqa: E402
+from release_tensors import PUBLISHED_CONFIG, release_tensors  # noqa: E402
 
 SHIPPED = os.path.join(ROOT, "checkpoints", "glm5next-tiny")
 KERNELS = os.path.join(ROOT, "checkpoints", "glm5next-tiny-kernels")
@@ -363,6 +366,28 @@ def layer_cases(out):
     return layers
 
 
+def layer_type_as_read(spelling):
+    """The layer type transformers' config makes of a spelling (None where it refuses it)."""
+    try:
+        return Glm5NextTextConfig(num_hidden_layers=1, layer_types=[spelling], mlp_layer_types=["dense"]).layer_types[0]
+    except ValueError:
+        return None
+
+
+def release_case(out):
+    """transformers' reading of the published config.json (the text config its model is built from) and
+    of every layer-type spelling its config takes (its forward runs the two its mask mapping holds:
+    linear_attention and indexed_attention); the release's tensors."""
+    os.makedirs(os.path.join(out, "release"), exist_ok=True)
+    text = Glm5NextConfig.from_json_file(PUBLISHED_CONFIG).text_config.to_dict()
+    spellings = sorted({*_LEGACY_LAYER_TYPE_REMAP, *ALLOWED_ATTN_LAYER_TYPES})
+    with open(os.path.join(out, "release", "config.json"), "w") as f:
+        json.dump({"text_config": text, "layer_types": {s: layer_type_as_read(s) for s in spellings}}, f, indent=1)
+    with open(os.path.join(out, "release", "tensors.json"), "w") as f:
+        json.dump(release_tensors(), f)
+    return "release"
+
+
 def main():
     out = sys.argv[1]
     for sub in ("cases", "layers", "models"):
@@ -372,6 +397,7 @@ def main():
         "transformers": transformers.__version__,
         "cases": model_cases(out) + [generation_case(out), bf16_generation_case(out)],
         "layers": layer_cases(out),
+        "release": release_case(out),
     }
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
