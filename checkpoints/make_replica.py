@@ -34,7 +34,7 @@ from glm5next_jax.config import DSA, Config  # noqa: E402
 MANIFEST = os.path.join(ROOT, "checkpoints", "GLM-5.3-Flash.tensors.json.gz")
 PUBLISHED_CONFIG = os.path.join(ROOT, "tests", "model", "fixtures", "GLM-5.3-Flash.config.json")
 FILES = {"fp8": 62, "bf16": 120}  # the published shard counts
-ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4}
 BLOCK = 128
 CONVERTED = re.compile(
     r"^model\.language_model\.layers\.(\d+)\.(?:(mlp\.(?:experts\.\d+\.|shared_experts\.)?(?:gate|up|down)_proj)"
@@ -142,7 +142,7 @@ def write(out, variant):
         total += write_shard(os.path.join(out, file), part)
         weight_map.update(dict.fromkeys((name for name, _, _ in part), file))
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config_json, f, indent=2)
     return {"files": len(parts), "tensors": len(tensors), "bytes": total}

@@ -217,20 +217,19 @@ class TensorFiles:
                     self.problems.append(f"{index} places {name} in {file}, which does not hold it")
                     self.unavailable.add(name)
                 else:
-                    self.entries[name] = (os.path.join(path, file), *headers[file][name])
+                    self.entries[name] = headers[file][name]
         else:
             self.files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
             if not self.files:
                 raise MissingFileError(f"no model.safetensors.index.json or *.safetensors in {path}")
             for file in self.files:
-                for name, entry in (self._header(path, file) or {}).items():
-                    self.entries[name] = (os.path.join(path, file), *entry)
+                self.entries.update(self._header(path, file) or {})
 
     def _header(self, path, file):
         """The header's entries of one shard, or None (a problem recorded) when it cannot be read."""
         full = os.path.join(path, file)
         if not os.path.isfile(full):
-            self.problems.append(f"{file}: listed in the index but missing on disk")
+            self.problems.append(f"{full}: listed in the index but missing on disk")
             return None
         try:
             entries, unknown, end = _header(full)
@@ -291,8 +290,8 @@ def _json(f, path):
 
 
 def _header(file):
-    """({name: (absolute data start, dtype, shape)}, [(name, unknown dtype)], the byte where the data
-    ends by the header) of a safetensors file; an InputError when the header cannot be read."""
+    """({name: (file, absolute data start, dtype, shape)}, [(name, unknown dtype)], the byte where the
+    data ends by the header) of a safetensors file; an InputError when the header cannot be read."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
@@ -312,7 +311,7 @@ def _header(file):
         if entry["dtype"] not in DTYPES:
             unknown.append((name, entry["dtype"]))
             continue
-        out[name] = (8 + length + begin, DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        out[name] = (file, 8 + length + begin, DTYPES[entry["dtype"]], tuple(entry["shape"]))
     return out, unknown, end
 
 
