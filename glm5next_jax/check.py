@@ -58,7 +58,8 @@ class CheckReport:
     def __str__(self):
         c = self.config
         kda, dense = c.layer_types.count("linear_attention"), c.mlp_layer_types.count("dense")
-        mtp = "" if c.num_nextn_predict_layers is None else f", {c.num_nextn_predict_layers} MTP layer(s)"
+        n = c.num_nextn_predict_layers
+        mtp = "" if n is None else f", {n} MTP layer{'' if n == 1 else 's'}"
         skipped = "".join(f", {n:,} skipped: {reason} ({size(b)})" for reason, (n, b) in sorted(self.skipped.items()))
         lines = [
             f"checkpoint {self.path}",
