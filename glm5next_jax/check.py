@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from .config import Config
-from .params import Leaf, param_axes, param_shapes, param_spec
+from .params import param_axes, param_shapes
 from .quantization import QuantizationConfig, describe, not_loaded_yet
 from .tensor_views import FLOAT8, View
 
@@ -84,7 +84,7 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def summarise(plan, layout, dtype: str, start: float) -> CheckReport:
+def summarise(plan, layout, dtype, start: float) -> CheckReport:
     """The report of a `checkpoint.LoadPlan`: counts and bytes from the headers, bytes a device from
     the layout's rules (an abstract mesh serves: no device is used)."""
     files, config = plan.files, plan.config
@@ -107,7 +107,7 @@ def summarise(plan, layout, dtype: str, start: float) -> CheckReport:
         if len(problems) == len(plan.problems):
             device = device_bytes(tree)
             device_float8 = _float8_device_bytes(plan, tree)
-    float8 = [n for n in loaded if files.dtype(n) in FLOAT8]
+    float8 = plan.float8_loaded()
     return CheckReport(
         path=plan.path, config=config, quantization=plan.quantization, files=len(files.files),
         file_bytes=files.file_bytes(), tensors=len(names) + len(files.unavailable),
@@ -136,14 +136,9 @@ def _float8_device_bytes(plan, tree) -> int:
     computed in fp32 from kv_b, which stays bf16)."""
     block = np.prod(plan.quantization.weight_block_size) if plan.quantization else 1
     total = 0
-    for spec, view, x in zip(jax.tree.leaves(param_spec(plan.config), is_leaf=_is_leaf),
-                             jax.tree.leaves(plan.views, is_leaf=lambda v: v is None or isinstance(v, View)),
-                             jax.tree.leaves(tree)):
+    views = jax.tree.leaves(plan.views, is_leaf=lambda v: v is None or isinstance(v, View))
+    for view, x in zip(views, jax.tree.leaves(tree), strict=True):
         elements = int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64))
         kept = view is not None and all(t.dtype in FLOAT8 for t in view.stored())
         total += elements * (1 + 4 / block) if kept else elements * x.dtype.itemsize
     return int(total)
-
-
-def _is_leaf(x):
-    return isinstance(x, Leaf)

@@ -284,8 +284,8 @@ def _skipped(name: str, prefix: str, c: Config) -> str | None:
         return "vision tower"
     if name.startswith(prefix):
         match = LAYER_PATTERN.match(name[len(prefix):])
-        mtp = c.num_nextn_predict_layers
-        if match and c.num_hidden_layers <= int(match.group(1)) < c.num_hidden_layers + (mtp if mtp is not None else 1 << 30):
+        n, mtp = c.num_hidden_layers, c.num_nextn_predict_layers  # mtp None: every layer past n
+        if match and int(match.group(1)) >= n and (mtp is None or int(match.group(1)) < n + mtp):
             return f"MTP layer {match.group(1)}"
         if ".shared_head." in name:
             return "MTP shared head"
@@ -311,6 +311,10 @@ class LoadPlan:
         """The stored tensors the parameter views read."""
         views = [v for v in jax.tree.leaves(self.views) if v is not None]
         return sorted({t.name for v in views for t in v.stored()})
+
+    def float8_loaded(self) -> list[str]:
+        """The float8 weights among them: what stops the load until FP8 weights are read."""
+        return [n for n in self.loaded() if self.files.dtype(n) in FLOAT8]
 
 
 def plan_load(path) -> LoadPlan:
@@ -392,7 +396,7 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None):
         raise InputError(f"checkpoint {plan.path}: {problems[0]}")
     if problems:
         raise InputError(f"checkpoint {plan.path} has {len(problems)} problems:\n  " + "\n  ".join(problems))
-    float8 = [n for n in plan.loaded() if plan.files.dtype(n) in FLOAT8]
+    float8 = plan.float8_loaded()
     if float8:
         raise InputError(not_loaded_yet(plan.path, len(float8)))
     if plan.skipped:

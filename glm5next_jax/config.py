@@ -356,7 +356,7 @@ def _log_unknown(raw: dict[str, Any], text: dict[str, Any]) -> None:
 
 def _refused_values(text: dict[str, Any]) -> list[str]:
     return [
-        f"{name} = {text[name]!r} is not supported: {reason} ({name} = {value!r})"
+        f"{name} = {text[name]!r} is not supported, only {value!r}: {reason}"
         for name, (value, reason) in REQUIRED_VALUES.items()
         if name in text and text[name] != value
     ]
