@@ -100,7 +100,7 @@ def compile_one(layout_spec, phase, layers):
     from glm5next_jax import inference
     from glm5next_jax.cache import cache_axes
     from glm5next_jax.params import param_axes, param_shapes
-    from glm5next_jax.sharding import make_layout
+    from glm5next_jax.sharding import device_bytes, make_layout, placed
 
     topology = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET, topology="1x1x8")
     jax.config.update("jax_default_device", topology.devices[0])
@@ -108,11 +108,7 @@ def compile_one(layout_spec, phase, layers):
     layout = make_layout(layout_spec, devices=topology.devices)
     config = glm5next_jax.Config() if layers is None else glm5next_jax.Config(num_hidden_layers=layers)
 
-    def placed(shapes, axes):
-        return jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.sharding(a)), shapes, axes,
-                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-
-    params = placed(param_shapes(config, "bfloat16"), param_axes(config))
+    params = placed(param_shapes(config, "bfloat16"), param_axes(config), layout)
     phase, p = phase_shape(phase)
     if phase == "prefill":  # a layout that splits the batch prefills one sequence a batch shard
         p["batch"] = max(p["batch"], layout.size("batch"))
@@ -120,12 +116,12 @@ def compile_one(layout_spec, phase, layers):
     if phase == "decode":
         max_len = p["cached"] + 64
         cache = jax.eval_shape(lambda: glm5next_jax.init_cache(config, p["batch"], max_len, latent_dtype="float8_e4m3fn"))
-        cache = placed(cache, cache_axes(cache))
+        cache = placed(cache, cache_axes(cache), layout)
         tokens = jax.ShapeDtypeStruct((p["batch"],), jnp.int32, sharding=layout.sharding(("batch",)))
         traced = inference._decode.trace(params, config, tokens, cache, None, False, layout)
     else:
         cache = jax.eval_shape(lambda: glm5next_jax.init_cache(config, p["batch"], p["tokens"], latent_dtype="float8_e4m3fn"))
-        cache = placed(cache, cache_axes(cache))
+        cache = placed(cache, cache_axes(cache), layout)
         ids = jax.ShapeDtypeStruct((p["batch"], p["tokens"]), jnp.int32, sharding=layout.sharding(batch_axes(2)))
         valid = jax.ShapeDtypeStruct((p["batch"], p["tokens"]), jnp.bool_, sharding=layout.sharding(batch_axes(2)))
         offset = jax.ShapeDtypeStruct((p["batch"],), jnp.int32, sharding=layout.sharding(("batch",)))
@@ -134,9 +130,7 @@ def compile_one(layout_spec, phase, layers):
     compiled = traced.lower().compile(compiler_options={"xla_gpu_autotune_level": 0})
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    weights = sum(
-        s.dtype.itemsize * _count(",".join(map(str, s.sharding.shard_shape(s.shape)))) for s in jax.tree.leaves(params)
-    )
+    weights = device_bytes(params)
     found = collectives(compiled.as_text())
     sent = sum(v["sent_bytes"] for v in found.values())
     return {

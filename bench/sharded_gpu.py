@@ -76,18 +76,6 @@ def _value(text):
         return text
 
 
-def sharded_bytes(tree):
-    """The largest per-device total of a tree's placed arrays (or of ShapeDtypeStructs with shardings)."""
-    import jax
-
-    totals = {}
-    for x in jax.tree.leaves(tree):
-        for device, index in x.sharding.addressable_devices_indices_map(x.shape).items():
-            shape = [len(range(*s.indices(n))) for s, n in zip(index, x.shape)] if index else []
-            totals[device] = totals.get(device, 0) + int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
-    return max(totals.values(), default=0)
-
-
 def device_memory():
     """The most bytes in use on any local device (None where the runtime does not say: CPU)."""
     import jax
@@ -99,9 +87,10 @@ def device_memory():
 def floor_ms(compiled, params):
     """Weight bytes a device over HBM plus the bytes its collectives send over NVLink, in ms."""
     from bench.sharded_compile import collectives
+    from glm5next_jax.sharding import device_bytes
 
     sent = sum(v["sent_bytes"] for v in collectives(compiled.as_text()).values())
-    return 1e3 * (sharded_bytes(params) / HBM + sent / NVLINK)
+    return 1e3 * (device_bytes(params) / HBM + sent / NVLINK)
 
 
 def fits(compiled, limit):
@@ -160,7 +149,7 @@ def run_load(args, layout_spec):
     import jax
 
     import glm5next_jax
-    from glm5next_jax.sharding import make_layout
+    from glm5next_jax.sharding import device_bytes, make_layout
 
     path = os.path.join(args.checkpoint, "load")
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
@@ -174,18 +163,18 @@ def run_load(args, layout_spec):
     files = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
     return [dict(phase="load", shape=f"{config.num_hidden_layers} layers, {files / 2**30:.1f} GiB of files",
                  seconds=seconds, seconds_per_layer=seconds / config.num_hidden_layers, host_peak_bytes=peak,
-                 device_bytes=device_memory() or sharded_bytes(params))]
+                 device_bytes=device_memory() or device_bytes(params))]
 
 
 def run_prefill(args, layout_spec):
     import glm5next_jax
     from glm5next_jax import inference
-    from glm5next_jax.sharding import make_layout, shard_batch
+    from glm5next_jax.sharding import device_bytes, make_layout, shard_batch
 
     layout = make_layout(layout_spec)
     config = config_for(args.layers, args.set)
     params = random_params(config, layout)
-    held = device_memory() or sharded_bytes(params)
+    held = device_memory() or device_bytes(params)
     rows = [dict(phase="params", shape=f"{config.num_hidden_layers} layers", device_bytes=held)]
     for tokens in map(int, filter(None, args.prefills.split(","))):
         batch = max(1, layout.size("batch"))
@@ -307,19 +296,14 @@ def plan(args):
     import glm5next_jax
     from glm5next_jax.cache import cache_axes
     from glm5next_jax.params import param_axes, param_shapes
-    from glm5next_jax.sharding import make_layout
+    from glm5next_jax.sharding import device_bytes, make_layout, placed
 
     config = config_for(args.layers, args.set)
     print("| layout | weights GiB/GPU | " + " | ".join(f"cache B x C = {d} GiB/GPU" for d in args.decodes.split(",")) + " |")
     print("|---" * (2 + len(args.decodes.split(","))) + "|")
     for spec in args.layouts.split(","):
         layout = make_layout(spec)
-
-        def placed(shapes, axes, layout=layout):
-            return jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.sharding(a)), shapes, axes,
-                                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-
-        weights = sharded_bytes(placed(param_shapes(config, "bfloat16"), param_axes(config)))
+        weights = device_bytes(placed(param_shapes(config, "bfloat16"), param_axes(config), layout))
         cells = []
         for text in args.decodes.split(","):
             batch, cached = map(int, text.split("x"))
@@ -328,7 +312,7 @@ def plan(args):
                 continue
             cache = jax.eval_shape(lambda b=batch, c=cached: glm5next_jax.init_cache(
                 config, b, c + PAGE, latent_dtype="float8_e4m3fn"))
-            size = sharded_bytes(placed(cache, cache_axes(cache)))
+            size = device_bytes(placed(cache, cache_axes(cache), layout))
             cells.append(f"{size / 2**30:.1f}{'' if weights + size <= args.gpu_bytes else ' (does not fit)'}")
         print(f"| {spec} | {weights / 2**30:.1f} | " + " | ".join(cells) + " |", flush=True)
 

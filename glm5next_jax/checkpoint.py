@@ -15,20 +15,24 @@ conv, mHC, router and ape kept in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import DSA, Config
-from .errors import InputError
+from .check import CheckReport, summarise
+from .config import DSA, Config, read_config_json
+from .errors import InputError, MissingFileError
 from .params import Leaf, leaf_dtype, param_spec
-from .tensor_views import ArraySource, PerGroup, Scaled, SplitAxis, Squeeze, Stack, Tensor, TensorFiles, Transpose
+from .quantization import SCALE_SUFFIX, QuantizationConfig, not_loaded_yet, scale_problems
+from .tensor_views import FLOAT8, ArraySource, PerGroup, Scaled, SplitAxis, Squeeze, Stack, Tensor, TensorFiles, Transpose
 
-__all__ = ["ArraySource", "Reader", "TensorFiles", "load_checkpoint"]
+__all__ = ["ArraySource", "LoadPlan", "Reader", "TensorFiles", "check", "load_checkpoint", "plan_load"]
 
 log = logging.getLogger("glm5next_jax")
 
@@ -47,6 +51,7 @@ class Reader:
         self.source, self.prefix = source, prefix
         wanted = set(source.names()) if wanted is None else wanted
         self.unused = set(wanted)
+        self.unavailable = getattr(source, "unavailable", set())  # named by the source's own problems
         self.missing: list[str] = []
         self.misshaped: list[str] = []
         self.mistyped: list[str] = []
@@ -67,6 +72,9 @@ class Reader:
         names = [names] if isinstance(names, str) else names
         for name in names:
             full = self.prefix + name if not name.startswith("/") else name[1:]
+            if full in self.unavailable:
+                self.unused.discard(full)
+                return None
             if full in self.source:
                 self.unused.discard(full)
                 got = self.source.shape(full)
@@ -84,7 +92,7 @@ class Reader:
 
 def _detect_prefix(files: TensorFiles) -> str:
     for prefix in TEXT_PREFIXES:
-        if prefix + "embed_tokens.weight" in files:
+        if prefix + "embed_tokens.weight" in files or prefix + "embed_tokens.weight" in files.unavailable:
             return prefix
     raise InputError("no embed_tokens.weight under any known prefix " + str([p + "embed_tokens.weight" for p in TEXT_PREFIXES]))
 
@@ -276,11 +284,84 @@ def _skipped(name: str, prefix: str, c: Config) -> str | None:
         return "vision tower"
     if name.startswith(prefix):
         match = LAYER_PATTERN.match(name[len(prefix):])
-        if match and int(match.group(1)) >= c.num_hidden_layers:
+        n, mtp = c.num_hidden_layers, c.num_nextn_predict_layers  # mtp None: every layer past n
+        if match and int(match.group(1)) >= n and (mtp is None or int(match.group(1)) < n + mtp):
             return f"MTP layer {match.group(1)}"
         if ".shared_head." in name:
             return "MTP shared head"
     return None
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    """What `load_checkpoint` does with a checkpoint, from its config.json, index and safetensors
+    headers alone (no tensor data): the parameter tree as views of the stored tensors, what is
+    skipped and why, the float8 weights and their scales, and every problem."""
+
+    path: str
+    config: Config
+    quantization: QuantizationConfig | None
+    files: TensorFiles
+    views: dict  # the parameter tree, each leaf a view (None where a tensor is missing)
+    skipped: dict[str, list[str]]  # reason -> stored tensors outside the text forward
+    scales: dict[str, str]  # float8 weight -> its scale, over every stored tensor
+    problems: list[str]
+
+    def loaded(self) -> list[str]:
+        """The stored tensors the parameter views read."""
+        views = [v for v in jax.tree.leaves(self.views) if v is not None]
+        return sorted({t.name for v in views for t in v.stored()})
+
+    def float8_loaded(self) -> list[str]:
+        """The float8 weights among them: what stops the load until FP8 weights are read."""
+        return [n for n in self.loaded() if self.files.dtype(n) in FLOAT8]
+
+
+def plan_load(path) -> LoadPlan:
+    """load_checkpoint's dry run: every shape, dtype, scale and file checked, every problem collected."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise MissingFileError(f"no checkpoint directory at {path}")
+    raw = read_config_json(path)
+    config = Config.from_hf(raw)
+    quantization = QuantizationConfig.from_hf(raw)
+    files = TensorFiles(path)
+    prefix = _detect_prefix(files)
+    skipped: dict[str, list[str]] = {}
+    wanted = set()
+    for name in [*files.names(), *files.unavailable]:
+        if name.endswith(SCALE_SUFFIX):
+            continue  # paired with its weight by scale_problems
+        reason = _skipped(name, prefix, config)
+        if reason:
+            skipped.setdefault(reason, []).append(name)
+        else:
+            wanted.add(name)
+    reader = Reader(files, prefix, wanted)
+    views = read_params(reader, config)
+    scales, scale_issues = scale_problems(files, quantization)
+    problems = files.problems + reader.problems() + scale_issues
+    return LoadPlan(path, config, quantization, files, views, skipped, scales, problems)
+
+
+def check(path, layout=None, dtype="bfloat16") -> CheckReport:
+    """What `load_checkpoint(path, dtype, layout=)` will do, and every problem that would stop it, from
+    the config.json, the index and the safetensors headers (no tensor data read). `layout`: a
+    layout string ("tp:8", "tp-ep:8", "3d:2x2x2"), resolved without its devices, or a Layout."""
+    start = time.perf_counter()
+    dtype = _load_dtype(dtype)
+    if isinstance(layout, str):
+        from .sharding import abstract_layout
+
+        layout = abstract_layout(layout)
+    return summarise(plan_load(path), layout, dtype, start)
+
+
+def _load_dtype(dtype):
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise InputError(f"dtype must be float32 or bfloat16, got {dtype}")
+    return dtype
 
 
 def place(view, shape, dtype, sharding=None):
@@ -306,29 +387,21 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None):
     layout (`sharding.Layout`): each device reads its own slices of the parameters from the files
     (in a multi-process run, each process its addressable devices'), never the whole model in one
     place; None: one device. progress(done_layers, total_layers), if given, is called as layers load.
+    Every problem `check` finds is refused in one error before any tensor data is read.
     """
-    path = os.fspath(path)
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise InputError(f"dtype must be float32 or bfloat16, got {dtype}")
-    config = Config.from_hf(path)
-    files = TensorFiles(path)
-    prefix = _detect_prefix(files)
-    skipped: dict[str, int] = {}
-    wanted = set()
-    for name in files.names():
-        reason = _skipped(name, prefix, config)
-        if reason:
-            skipped[reason] = skipped.get(reason, 0) + 1
-        else:
-            wanted.add(name)
-    reader = Reader(files, prefix, wanted)
-    views = read_params(reader, config)
-    problems = reader.problems()
+    dtype = _load_dtype(dtype)
+    plan = plan_load(path)
+    config, views, problems = plan.config, plan.views, plan.problems
+    if len(problems) == 1:
+        raise InputError(f"checkpoint {plan.path}: {problems[0]}")
     if problems:
-        raise InputError(f"checkpoint {path} does not match its config ({len(problems)} problems):\n  " + "\n  ".join(problems))
-    if skipped:
-        log.info("skipped tensors outside the text forward: %s", ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))
+        raise InputError(f"checkpoint {plan.path} has {len(problems)} problems:\n  " + "\n  ".join(problems))
+    float8 = plan.float8_loaded()
+    if float8:
+        raise InputError(not_loaded_yet(plan.path, len(float8)))
+    if plan.skipped:
+        log.info("skipped tensors outside the text forward: %s",
+                 ", ".join(f"{r} ({len(n)})" for r, n in sorted(plan.skipped.items())))
     spec = param_spec(config)
     if layout is not None:
         from .sharding import check_divisible, param_shardings

@@ -1,4 +1,4 @@
-"""Command line: `glm5next-jax {generate,logits,convert,info}` (see --help of each).
+"""Command line: `glm5next-jax {generate,logits,convert,info,check}` (see --help of each).
 
 --checkpoint takes a transformers checkpoint directory or an orbax directory made by `convert`;
 --mesh spreads the model over devices by a layout (`sharding.make_layout`: "tp-ep:8", "3d:2x2x2").
@@ -193,6 +193,14 @@ def cmd_info(args):
     print(f"KDA state:         {cache['kda_state_per_sequence']:,.0f} bytes per sequence (fixed)")
 
 
+def cmd_check(args):
+    from .checkpoint import check
+
+    report = check(args.path, None if args.mesh == "none" else args.mesh, args.dtype)
+    print(report)
+    return 0 if report.ok else 2
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="glm5next-jax", description="GLM-5-Next in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -244,6 +252,13 @@ def main(argv=None):
     p.add_argument("--latent-dtype", default="float8_e4m3fn", choices=["bfloat16", "float32", "float8_e4m3fn"])
     p.set_defaults(run=cmd_info)
 
+    p = sub.add_parser("check", help="what loading a checkpoint will do, and every problem, from its headers alone")
+    p.add_argument("path", help="checkpoint directory (config.json, model.safetensors.index.json, the shards)")
+    p.add_argument("--mesh", default="none", metavar="LAYOUT",
+                   help='bytes a device under this layout, worked out without its devices ("tp:8", "tp-ep:8", "3d:2x2x2")')
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="of the loaded parameters")
+    p.set_defaults(run=cmd_check)
+
     args = parser.parse_args(argv)
     if getattr(args, "compilation_cache", "none") != "none":
         import jax
@@ -252,11 +267,10 @@ def main(argv=None):
         # decode step; with the programs cached, a second run's first two tokens come after 3.6 + 2.0 s.
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     try:
-        args.run(args)
+        return args.run(args) or 0
     except (InputError, OSError) as err:  # what the user can fix: one line, no traceback
         print(f"glm5next-jax {args.command}: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

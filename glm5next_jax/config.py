@@ -2,25 +2,86 @@
 
 `Config` is a frozen dataclass of plain values and tuples, so it is hashable and is passed to
 `jax.jit` as a static argument. Field names are transformers' own.
+
+`Config.from_hf` reads a config.json as transformers 5.23 reads it, the published file of the release
+included: the legacy spellings of layer types it accepts, `linear_attn_config`, and the fields
+transformers keeps without using. Each field that asks for a computation is used, or refused by name
+where it asks for one this library (and transformers) does not run; a field that contradicts
+another (`linear_attn_config`'s layer lists, `first_k_dense_replace`, `qk_head_dim`) is refused
+naming both; the rest is read and ignored for the reasons in `IGNORED_FIELDS` (docs/config.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from .errors import InputError
 
+log = logging.getLogger("glm5next_jax")
+
 MODEL_TYPES = ("glm5_next", "glm5_next_text")  # transformers' names of this model and its text part
 
 KDA = "linear_attention"
 DSA = "indexed_attention"
-LAYER_TYPE_ALIASES = {"full_attention": DSA}
+# The spellings of layer types that transformers 5.23 runs as one of the two (its legacy remap,
+# `configuration_utils._LEGACY_LAYER_TYPE_REMAP`, and glm5_next's own "full_attention"). Its legacy
+# "attention" becomes "full_attention" after glm5_next's remap has run, which its forward cannot run.
+LAYER_TYPE_ALIASES = {
+    "full_attention": DSA, "deepseek_sparse_attention": DSA, "qwen_sparse_attention": DSA, "mamba": KDA,
+}
 MLP_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
+
+# Fields transformers keeps but does not read: its model always computes the value given here, so any
+# other value asks for a model that neither transformers nor this library runs.
+REQUIRED_VALUES: dict[str, tuple[Any, str]] = {
+    "mla_use_nope": (True, "DSA layers are NoPE MLA: no rotary part in the queries, keys or latents"),
+    "index_kpool_compress": (True, "the indexer scores pooled keys (a gated softmax over index_kpool tokens)"),
+    "scoring_func": ("sigmoid", "the router scores experts with a sigmoid"),
+    "topk_method": ("noaux_tc", "experts are chosen by score + e_score_correction_bias within the best groups"),
+    "moe_router_dtype": ("float32", "router logits are computed in float32"),
+    "mhc": (True, "every layer mixes manifold-constrained hyper-connection streams (hc_mult of them)"),
+}
+# Fields read and ignored, with the reason: none changes the text forward as transformers runs it.
+IGNORED_FIELDS: dict[str, str] = {
+    "head_dim": "transformers sets it to qk_rope_head_dim whatever the file says (its name for the rotary width)",
+    "indexer_rope_interleave": "how a rotary part of the indexer's keys is laid out; the indexer has none (NoPE; "
+                               "transformers' indexer has no rotary embedding)",
+    "index_share_for_mtp_iteration": "concerns the MTP layer's drafting iterations; the MTP layer is not run",
+    "max_position_embeddings": "no positional embedding (NoPE): lengths are bounded by the cache alone",
+    "attention_dropout": "dropout acts in training mode only; the forward here is inference's",
+    "initializer_range": "the std of a fresh initialisation; weights come from the checkpoint",
+    "router_aux_loss_coef": "a training loss weight",
+    "output_router_logits": "whether transformers returns router logits for that loss",
+    "use_cache": "transformers' default for its generate; caches here are explicit",
+    "dtype": "the dtype the weights were saved in; the files' own dtypes are read",
+    "torch_dtype": "the former name of dtype",
+    "rope_parameters": "no rotary embedding in the text model (NoPE)",
+    "rope_scaling": "no rotary embedding in the text model (NoPE)",
+    "rope_theta": "no rotary embedding in the text model (NoPE)",
+    "vision_config": "the vision tower is not part of the text forward; its tensors are skipped",
+    **dict.fromkeys(
+        ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id", "video_start_token_id",
+         "video_end_token_id"),
+        "multimodal token ids: the text forward embeds every id as text",
+    ),
+    "quantization_config": "how the weights are stored, read by glm5next_jax.quantization",
+    **dict.fromkeys(
+        ("architectures", "transformers_version", "_name_or_path", "id2label", "label2id", "problem_type",
+         "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward", "is_encoder_decoder"),
+        "transformers' generic bookkeeping",
+    ),
+}
+LINEAR_ATTN_KEYS = ("num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound", "safe_gate", "kda_layers",
+                    "full_attn_layers")
+# Read by from_hf beyond Config's own fields: transformers' aliases and schedules, and the fields checked above.
+READ_FIELDS = ("model_type", "text_config", "num_local_experts", "index_topk_pattern", "index_topk_freq",
+               "index_skip_topk_offset", "linear_attn_config", "first_k_dense_replace", "qk_head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +139,10 @@ class Config:
 
     hidden_act: str = "silu"
 
+    # Layers past num_hidden_layers that the checkpoint holds for multi-token prediction (not run here);
+    # None: not stated, every layer past num_hidden_layers is taken for one.
+    num_nextn_predict_layers: int | None = None
+
     def __post_init__(self):
         n = self.num_hidden_layers
         if not self.layer_types:
@@ -98,20 +163,10 @@ class Config:
     def from_hf(cls, source: str | os.PathLike | Mapping[str, Any]) -> Config:
         """From a transformers config: a dict, a `config.json` path or a checkpoint directory.
 
-        Text fields may sit flat or under `text_config` (the multimodal `glm5_next` layout); the
-        vision config is ignored.
+        Text fields may sit flat or under `text_config` (the multimodal `glm5_next` layout). Every
+        problem is named in one InputError; fields this library does not know are logged and ignored.
         """
-        if isinstance(source, Mapping):
-            raw = dict(source)
-        else:
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                try:
-                    raw = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path} is not valid JSON: {e}") from None
+        raw = read_config_json(source)
         if raw.get("model_type", "glm5_next") not in MODEL_TYPES:
             raise InputError(f"config model_type must be one of {MODEL_TYPES}, got {raw['model_type']!r}")
         text = dict(raw.get("text_config") or raw)
@@ -120,7 +175,20 @@ class Config:
         for key in ("tie_word_embeddings",):  # multimodal configs keep these at the top level
             if key in raw and key not in text:
                 text[key] = raw[key]
-        return cls(**_normalise_hf_fields(text))
+        if not isinstance(text.get("linear_attn_config") or {}, Mapping):
+            raise InputError(f"config linear_attn_config must be a mapping, got {text['linear_attn_config']!r}")
+        _log_unknown(raw, text)
+        problems = _refused_values(text)
+        try:
+            config = cls(**_normalise_hf_fields(text))
+        except InputError as err:
+            if not problems:
+                raise
+            raise InputError("\n  - ".join([str(err), *problems])) from None
+        problems += _contradictions(text, config)
+        if problems:
+            raise InputError("invalid GLM-5-Next config:\n  - " + "\n  - ".join(problems))
+        return config
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -146,6 +214,20 @@ class Config:
         """Width of a row of selected token indices: index_topk, plus the tail when it is appended."""
         tail = self.index_kpool - 1 if self.index_kpool_always_select_tail else 0
         return self.index_topk + tail
+
+
+def read_config_json(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """The config as a dict: `source` itself (a mapping), a `config.json` path or a checkpoint directory."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path} is not valid JSON: {e}") from None
 
 
 def indexer_schedule(num_layers: int, pattern=None, freq: int = 1, offset: int = 2) -> tuple[str, ...]:
@@ -213,7 +295,12 @@ def _validate(c: Config) -> None:
         values = getattr(c, name)
         need(len(values) == n, f"{name} has {len(values)} entries, expected num_hidden_layers = {n}")
         bad = sorted({v for v in values if v not in allowed})
-        need(not bad, f"{name} has unknown values {bad}; allowed: {list(allowed)}")
+        spellings = f" (or their spellings {sorted(LAYER_TYPE_ALIASES)})" if name == "layer_types" else ""
+        need(not bad, f"{name} has unknown values {bad}; allowed: {list(allowed)}{spellings}")
+    need(
+        c.num_nextn_predict_layers is None or (isinstance(c.num_nextn_predict_layers, int) and c.num_nextn_predict_layers >= 0),
+        f"num_nextn_predict_layers must be None or an integer >= 0, got {c.num_nextn_predict_layers!r}",
+    )
     need(
         c.num_attention_heads == c.num_key_value_heads,
         f"num_attention_heads ({c.num_attention_heads}) must equal num_key_value_heads ({c.num_key_value_heads})",
@@ -255,3 +342,45 @@ def _validate(c: Config) -> None:
         need(c.linear_lower_bound < 0, f"linear_lower_bound must be negative, got {c.linear_lower_bound}")
     if errors:
         raise InputError("invalid GLM-5-Next config:\n  - " + "\n  - ".join(errors))
+
+
+def _log_unknown(raw: dict[str, Any], text: dict[str, Any]) -> None:
+    """Log (once per read) the fields that neither transformers' glm5_next nor this library defines."""
+    known = _FIELDS | set(REQUIRED_VALUES) | set(IGNORED_FIELDS) | set(READ_FIELDS)
+    unknown = sorted(k for k in {**raw, **text} if k not in known)
+    linear = text.get("linear_attn_config") or {}
+    unknown += [f"linear_attn_config.{k}" for k in sorted(linear) if k not in LINEAR_ATTN_KEYS]
+    if unknown:
+        log.warning("config fields this library does not know, ignored: %s", ", ".join(unknown))
+
+
+def _refused_values(text: dict[str, Any]) -> list[str]:
+    return [
+        f"{name} = {text[name]!r} is not supported, only {value!r}: {reason}"
+        for name, (value, reason) in REQUIRED_VALUES.items()
+        if name in text and text[name] != value
+    ]
+
+
+def _contradictions(text: dict[str, Any], c: Config) -> list[str]:
+    """Fields that restate part of the schedule or a width, checked against what the config runs."""
+    problems = []
+    linear = text.get("linear_attn_config") or {}
+    for key, kind in (("kda_layers", KDA), ("full_attn_layers", DSA)):
+        if linear.get(key) is not None:
+            listed = sorted(linear[key])
+            runs = [i for i, t in enumerate(c.layer_types) if t == kind]
+            if listed != runs:
+                problems.append(f"linear_attn_config.{key} {listed} (0-based) contradicts layer_types, whose {kind} "
+                                f"layers are {runs}")
+    k = text.get("first_k_dense_replace")
+    if k is not None:
+        expected = tuple("dense" if i < k else "sparse" for i in range(c.num_hidden_layers))
+        if c.mlp_layer_types != expected:
+            dense = [i for i, t in enumerate(c.mlp_layer_types) if t == "dense"]
+            source = "mlp_layer_types" if text.get("mlp_layer_types") is not None else "mlp_layer_types (transformers' default)"
+            problems.append(f"first_k_dense_replace = {k} contradicts {source}, whose dense layers are {dense}")
+    if text.get("qk_head_dim") is not None and text["qk_head_dim"] != c.qk_head_dim:
+        problems.append(f"qk_head_dim = {text['qk_head_dim']} contradicts qk_nope_head_dim + qk_rope_head_dim = "
+                        f"{c.qk_nope_head_dim} + {c.qk_rope_head_dim}")
+    return problems

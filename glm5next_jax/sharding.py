@@ -121,33 +121,60 @@ def make_mesh(data: int = 1, expert: int = 1, model: int | None = None, devices=
     return Mesh(np.array(devices).reshape(data, expert, model), MESH_AXES)
 
 
+def _preset(spec: str, available: int | None):
+    """(name, rules, (data, expert, model) sizes) of a layout string; `available`: the devices that
+    a size left out defaults to (None: none to default to, the size must be given)."""
+    name, _, sizes = spec.partition(":")
+    if not sizes and available is None:
+        raise InputError(f"layout {spec!r} needs its device count without devices to count, e.g. '{name}:8'")
+    if name == "3d":
+        dims = [int(s) for s in sizes.split("x")] if sizes else [1, 1, available]
+        if len(dims) != 3:
+            raise InputError(f"a 3d layout takes data x expert x model sizes, e.g. '3d:2x2x2', got {spec!r}")
+        return name, RULES, tuple(dims)
+    if name not in LAYOUTS:
+        raise InputError(f"unknown layout {name!r}; presets: {sorted(LAYOUTS) + ['3d']}")
+    n = int(sizes) if sizes else available
+    if n < 1 or (available is not None and n > available):
+        raise InputError(f"layout {spec!r} asks for {n} devices; {available} are available")
+    axis, rules = LAYOUTS[name]
+    return name, rules, tuple(n if a == axis else 1 for a in MESH_AXES)
+
+
 def make_layout(spec: str, devices=None) -> Layout:
     """A layout from "NAME:N" (a preset over N devices: tp, tp-ep, dp-ep) or "3d:DxExM"; N or the
     sizes default to every device. E.g. "tp-ep:8", "dp-ep", "3d:2x2x2"."""
-    name, _, sizes = spec.partition(":")
     devices = list(jax.devices() if devices is None else devices)
-    if name == "3d":
-        dims = [int(s) for s in sizes.split("x")] if sizes else [1, 1, len(devices)]
-        if len(dims) != 3:
-            raise InputError(f"a 3d layout takes data x expert x model sizes, e.g. '3d:2x2x2', got {spec!r}")
-        n = int(np.prod(dims))
-        return Layout(make_mesh(*dims, devices=devices[:n]), RULES, "3d")
-    if name not in LAYOUTS:
-        raise InputError(f"unknown layout {name!r}; presets: {sorted(LAYOUTS) + ['3d']}")
-    n = int(sizes) if sizes else len(devices)
-    if not 1 <= n <= len(devices):
-        raise InputError(f"layout {spec!r} asks for {n} devices; {len(devices)} are available")
-    axis, rules = LAYOUTS[name]
-    dims = {a: (n if a == axis else 1) for a in MESH_AXES}
-    return Layout(make_mesh(**dims, devices=devices[:n]), rules, name)
+    name, rules, dims = _preset(spec, len(devices))
+    n = int(np.prod(dims))
+    return Layout(make_mesh(*dims, devices=devices[:n]), rules, name)
+
+
+def abstract_layout(spec: str) -> Layout:
+    """The layout of a string with its sizes ("tp:8", "3d:2x2x2") on an abstract mesh: what each
+    device would hold, worked out without the devices."""
+    name, rules, dims = _preset(spec, None)
+    return Layout(jax.sharding.AbstractMesh(dims, MESH_AXES), rules, name)
+
+
+def placed(shapes, axes, layout: Layout):
+    """A tree of jax.ShapeDtypeStruct (shapes) with the layout's shardings of their logical axes."""
+    return jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.sharding(a)), shapes, axes,
+                        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def device_bytes(tree) -> int:
+    """Bytes a device holds of a tree of placed arrays or ShapeDtypeStructs (shardings that divide
+    their arrays: every device holds the same)."""
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def param_shardings(config: Config, layout: Layout):
     return layout.shardings(param_axes(config))
 
 
-def check_divisible(shapes_tree, shardings_tree):
-    """Raise one error listing every dimension that its mesh axes do not divide."""
+def indivisible(shapes_tree, shardings_tree) -> list[str]:
+    """Every dimension of a tree of arrays (or shapes) that its mesh axes do not divide, by name."""
     problems = []
 
     def check(path, shape, sharding):
@@ -157,6 +184,12 @@ def check_divisible(shapes_tree, shardings_tree):
                 problems.append(f"{jax.tree_util.keystr(path)} dim {dim} ({size}) over {axes} ({parts})")
 
     jax.tree_util.tree_map_with_path(check, shapes_tree, shardings_tree)
+    return problems
+
+
+def check_divisible(shapes_tree, shardings_tree):
+    """Raise one error listing every dimension that its mesh axes do not divide."""
+    problems = indivisible(shapes_tree, shardings_tree)
     if problems:
         raise InputError("sharding does not divide:\n  " + "\n  ".join(problems))
 

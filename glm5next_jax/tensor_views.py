@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import struct
 
@@ -28,6 +29,7 @@ DTYPES = {
     "I8": np.dtype(np.int8), "I16": np.dtype(np.int16), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
     "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
+FLOAT8 = (DTYPES["F8_E4M3"], DTYPES["F8_E5M2"])
 
 
 def full_index(shape):
@@ -57,6 +59,13 @@ class View:
     def _read(self, index) -> np.ndarray:
         raise NotImplementedError
 
+    def stored(self) -> list[Tensor]:
+        """The stored tensors this view reads."""
+        return [t for v in self.parts() for t in v.stored()]
+
+    def parts(self):
+        return [self.view]
+
     def __array__(self, dtype=None, copy=None):
         x = self.read(full_index(self.shape))
         return x if dtype is None else x.astype(dtype)
@@ -75,6 +84,9 @@ class Tensor(View):
 
     def __init__(self, source, name, shape, dtype):
         self.source, self.name, self.shape, self.dtype = source, name, tuple(shape), np.dtype(dtype)
+
+    def stored(self):
+        return [self]
 
     def _read(self, index):
         return self.source.read(self.name, index)
@@ -100,6 +112,9 @@ class Stack(View):
         inner = views[0].shape
         self.shape = inner[:axis] + (len(self.views),) + inner[axis:]
         self.dtype = views[0].dtype
+
+    def parts(self):
+        return self.views
 
     def _read(self, index):
         rest = index[: self.axis] + index[self.axis + 1 :]
@@ -158,6 +173,9 @@ class PerGroup(View):
         self.views, self.slice_of, self.fn = views, slice_of, fn
         self.dtype = np.dtype(np.float32)
 
+    def parts(self):
+        return self.views
+
     def _read(self, index):
         span = index[self.axis]
         groups = range(span.start // self.width, -(-span.stop // self.width))
@@ -170,32 +188,60 @@ class PerGroup(View):
 
 
 class TensorFiles:
-    """The tensors of a directory of (sharded) safetensors files, by name, read a slice at a time."""
+    """The tensors of a directory of (sharded) safetensors files, by name, read a slice at a time.
+
+    Opening reads the index and every file's header, no tensor data. Damage is collected rather than
+    raised, so that a checkpoint's every problem can be named at once: `problems` names each shard
+    missing on disk, unreadable, or shorter than its header says; `unavailable` holds the tensors the
+    index places where they cannot be found (a missing or unreadable shard, a header without them).
+    A float8 tensor is never read as values: its values are meaningless without its block scales.
+    """
 
     def __init__(self, path: str):
         index = os.path.join(path, "model.safetensors.index.json")
         self.entries = {}  # name -> (file, data start, dtype, shape)
+        self.problems: list[str] = []
+        self.unavailable: set[str] = set()
+        self.sizes: dict[str, int] = {}  # shard -> bytes on disk
         if os.path.exists(index):  # the index says which file holds each tensor
             with open(index) as f:
                 weight_map = _json(f, index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise InputError(f"{index} has no weight_map")
-            files = sorted(set(weight_map.values()))
-            absent = [file for file in files if not os.path.isfile(os.path.join(path, file))]
-            if absent:
-                raise MissingFileError(f"{index} lists files that are not in {path}: {', '.join(absent)}")
-            headers = {file: _header(os.path.join(path, file)) for file in files}
+            self.files = sorted(set(weight_map.values()))
+            headers = {file: self._header(path, file) for file in self.files}
             for name, file in weight_map.items():
-                if name not in headers[file]:
-                    raise InputError(f"{index} places {name} in {file}, which does not hold it")
-                self.entries[name] = (os.path.join(path, file), *headers[file][name])
+                if headers[file] is None:
+                    self.unavailable.add(name)
+                elif name not in headers[file]:
+                    self.problems.append(f"{index} places {name} in {file}, which does not hold it")
+                    self.unavailable.add(name)
+                else:
+                    self.entries[name] = headers[file][name]
         else:
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            if not files:
+            self.files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+            if not self.files:
                 raise MissingFileError(f"no model.safetensors.index.json or *.safetensors in {path}")
-            for file in files:
-                for name, entry in _header(file).items():
-                    self.entries[name] = (file, *entry)
+            for file in self.files:
+                self.entries.update(self._header(path, file) or {})
+
+    def _header(self, path, file):
+        """The header's entries of one shard, or None (a problem recorded) when it cannot be read."""
+        full = os.path.join(path, file)
+        if not os.path.isfile(full):
+            self.problems.append(f"{full}: listed in the index but missing on disk")
+            return None
+        try:
+            entries, unknown, end = _header(full)
+        except InputError as err:
+            self.problems.append(str(err))
+            return None
+        size = self.sizes[file] = os.path.getsize(full)
+        if end > size:
+            self.problems.append(f"{full}: truncated: {size:,} bytes, its header's tensors end at byte {end:,}")
+        self.problems += [f"{full}: tensor {name} has dtype {dtype}, which the loader does not know" for name, dtype in unknown]
+        self.unavailable.update(name for name, _ in unknown)
+        return entries
 
     def names(self):
         return self.entries.keys()
@@ -209,12 +255,21 @@ class TensorFiles:
     def dtype(self, name):
         return self.entries[name][2]
 
+    def file_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def nbytes(self, name):
+        _, _, dtype, shape = self.entries[name]
+        return math.prod(shape) * dtype.itemsize
+
     def get(self, name) -> np.ndarray:
         return self.read(name, full_index(self.shape(name)))
 
     def read(self, name, index) -> np.ndarray:
         """The slice `index` of a tensor: the rows of its first axis that the slice spans, read at once."""
         file, start, dtype, shape = self.entries[name]
+        if dtype in FLOAT8:
+            raise InputError(f"{name} is {dtype}: block-scaled FP8 weights are not read as values (not yet supported)")
         if not shape:
             rows, row_shape = slice(0, 1), ()
         else:
@@ -235,7 +290,8 @@ def _json(f, path):
 
 
 def _header(file):
-    """{name: (absolute data start, dtype, shape)} of a safetensors file, checked against its size."""
+    """({name: (file, absolute data start, dtype, shape)}, [(name, unknown dtype)], the byte where the
+    data ends by the header) of a safetensors file; an InputError when the header cannot be read."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
@@ -246,19 +302,17 @@ def _header(file):
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InputError(f"{file}: the safetensors header is not valid JSON ({e})") from None
-    out = {}
+    out, unknown, end = {}, [], 8 + length
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        begin, stop = entry["data_offsets"]
+        end = max(end, 8 + length + stop)
         if entry["dtype"] not in DTYPES:
-            raise InputError(f"{file}: tensor {name} has dtype {entry['dtype']}, which the loader does not know")
-        begin, end = entry["data_offsets"]
-        if 8 + length + end > size:
-            raise InputError(
-                f"{file}: tensor {name} ends at byte {8 + length + end}, past the file's {size} bytes (truncated?)"
-            )
-        out[name] = (8 + length + begin, DTYPES[entry["dtype"]], tuple(entry["shape"]))
-    return out
+            unknown.append((name, entry["dtype"]))
+            continue
+        out[name] = (file, 8 + length + begin, DTYPES[entry["dtype"]], tuple(entry["shape"]))
+    return out, unknown, end
 
 
 class ArraySource:

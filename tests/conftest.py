@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import jax
@@ -26,6 +27,8 @@ GOLDEN_INPUTS = [
     os.path.join(ROOT, "tests", "reference", "make_goldens.py"),
     os.path.join(ROOT, "tests", "reference", "requirements.txt"),
     os.path.join(ROOT, "checkpoints", "make_tiny.py"),
+    os.path.join(ROOT, "checkpoints", "release_tensors.py"),
+    os.path.join(ROOT, "tests", "model", "fixtures", "GLM-5.3-Flash.config.json"),
     *(os.path.join(path, f) for path in SHIPPED_MODELS.values() for f in sorted(os.listdir(path))),
 ]
 
@@ -91,6 +94,17 @@ def goldens():
 def manifest(goldens):
     with open(os.path.join(goldens, "manifest.json")) as f:
         return json.load(f)
+
+
+@functools.cache
+def sharded_run(name, *args):
+    """One of tests/model/sharded_runs.py's runs on 8 host devices (in a process of its own: the device
+    count is fixed when JAX starts), its JSON result."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "model", "sharded_runs.py"), name, *args], env=env,
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @functools.cache

@@ -233,5 +233,25 @@ def two_processes(checkpoint, logits_out, process_id="single", port="0"):
             "lengths": host_values(cache["lengths"]).tolist()}
 
 
+def released_device_bytes(config_path, *layouts):
+    """{layout: bytes each of its 8 devices holds of the parameters of a config.json, in bf16}, from each
+    device's index into each parameter under the layout's sharding (no array made)."""
+    from glm5next_jax.params import param_axes, param_shapes
+    from glm5next_jax.sharding import is_axes
+
+    config = glm5next_jax.Config.from_hf(config_path)
+    shapes = jax.tree.leaves(param_shapes(config, "bfloat16"))
+    axes = jax.tree.leaves(param_axes(config), is_leaf=is_axes)
+    out = {}
+    for spec in layouts:
+        layout, held = make_layout(spec), {}
+        for shape, names in zip(shapes, axes):
+            for device, index in layout.sharding(names).devices_indices_map(shape.shape).items():
+                count = int(np.prod([len(range(*s.indices(n))) for s, n in zip(index, shape.shape)]))
+                held[device.id] = held.get(device.id, 0) + count * shape.dtype.itemsize
+        out[spec] = [held[d] for d in sorted(held)]
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]](*sys.argv[2:])))

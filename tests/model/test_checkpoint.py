@@ -13,7 +13,7 @@ from conftest import SHIPPED, load_model
 from safetensors.numpy import save_file
 
 import glm5next_jax
-from glm5next_jax.checkpoint import TensorFiles, absorb_o, absorb_q
+from glm5next_jax.checkpoint import TensorFiles, absorb_o, absorb_q, plan_load
 from glm5next_jax.params import param_shapes
 
 
@@ -106,6 +106,18 @@ def test_vision_tower_and_mtp_layer_skipped_with_one_log_line(tmp_path, caplog):
         glm5next_jax.load_checkpoint(path, "float32")
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(lines) == 1 and "vision tower" in lines[0] and "MTP layer 8 (2)" in lines[0]
+
+
+def test_the_mtp_layers_the_config_names_are_skipped_and_a_layer_past_them_is_unexpected(tmp_path):
+    path = _copy_checkpoint(tmp_path)
+    config = json.load(open(path / "config.json"))
+    config["text_config"]["num_nextn_predict_layers"] = 1
+    json.dump(config, open(path / "config.json", "w"))
+    _add_tensors(path, {"model.language_model.layers.8.eh_proj.weight": np.zeros((2, 2), np.float32),
+                        "model.language_model.layers.9.eh_proj.weight": np.zeros((2, 2), np.float32)})
+    plan = plan_load(path)
+    assert plan.skipped["MTP layer 8"] == ["model.language_model.layers.8.eh_proj.weight"]
+    assert plan.problems == ["unexpected: model.language_model.layers.9.eh_proj.weight"]
 
 
 def test_bad_arguments():

@@ -1,5 +1,6 @@
 """The console script, run as a user would."""
 
+import shutil
 import subprocess
 import sys
 
@@ -73,3 +74,15 @@ def test_generate_keeps_its_compiled_programs_for_the_next_run(tmp_path):
     assert second == first
     uncached, _ = cli(*args, "--compilation-cache", "none")
     assert uncached == first
+
+
+def test_check_of_the_shipped_checkpoint_and_of_a_damaged_copy(tmp_path):
+    out, _ = cli("check", SHIPPED, "--mesh", "tp-ep:4")
+    assert "459 loaded" in out and "25 skipped: vision tower" in out and "under tp-ep:4" in out and "problems:     none" in out
+    damaged = tmp_path / "damaged"
+    shutil.copytree(SHIPPED, damaged)
+    shard = sorted(damaged.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    result = subprocess.run([sys.executable, "-m", "glm5next_jax", "check", str(damaged)], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and f"{shard}: truncated: " in result.stdout and "problems:     1" in result.stdout

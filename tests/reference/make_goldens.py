@@ -5,8 +5,9 @@ Runs in the reference env (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0):
     python tests/reference/make_goldens.py OUT_DIR
 
 Writes OUT_DIR/models/<name>/ (HF checkpoints of the variant configs), OUT_DIR/cases/<case>.npz
-(input ids, mask, fp32 logits, model name) and OUT_DIR/layers/<name>.npz (each module alone:
-its state dict under the decoder-layer names, inputs and outputs), then OUT_DIR/manifest.json last,
+(input ids, mask, fp32 logits, model name), OUT_DIR/layers/<name>.npz (each module alone:
+its state dict under the decoder-layer names, inputs and outputs) and OUT_DIR/release/ (transformers'
+reading of the published config.json, and the release's tensors), then OUT_DIR/manifest.json last,
 so an interrupted run is never mistaken for a complete one.
 """
 
@@ -18,12 +19,16 @@ import numpy as np
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import Glm5NextForConditionalGeneration
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration, Glm5NextTextConfig
+from transformers.configuration_utils import _LEGACY_LAYER_TYPE_REMAP, ALLOWED_ATTN_LAYER_TYPES
 from transformers.models.glm5_next import modeling_glm5_next as hf
+from transformers.quantizers.quantizers_utils import should_convert_module
+from transformers.utils.quantization_config import FineGrainedFP8Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
 from make_tiny import build  # noqa: E402
+from release_tensors import PUBLISHED_CONFIG, release_tensors  # noqa: E402
 
 SHIPPED = os.path.join(ROOT, "checkpoints", "glm5next-tiny")
 KERNELS = os.path.join(ROOT, "checkpoints", "glm5next-tiny-kernels")
@@ -363,6 +368,55 @@ def layer_cases(out):
     return layers
 
 
+def layer_type_as_read(spelling):
+    """The layer type transformers' config makes of a spelling (None where it refuses it)."""
+    try:
+        return Glm5NextTextConfig(num_hidden_layers=1, layer_types=[spelling], mlp_layer_types=["dense"]).layer_types[0]
+    except ValueError:
+        return None
+
+
+# The FP8 release's quantization_config (its modules_to_not_convert cut to a few), and module names
+# against patterns of each kind transformers' skip rule takes: a prefix up to a module boundary, a
+# regex, a suffix.
+FP8_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+                    "modules_to_not_convert": ["lm_head", "model.language_model.layers.0.self_attn.q_proj"]}
+SKIP_PATTERNS = ["model.language_model.layers.1", r"model\.language_model\.layers\.[2-4]\.mlp\.experts\.\d+",
+                 "mlp.gate", "kv_b_proj", "model.visual."]
+SKIP_MODULES = [
+    "model.language_model.layers.1.mlp.experts.3.up_proj", "model.language_model.layers.11.mlp.experts.3.up_proj",
+    "model.language_model.layers.1", "model.language_model.layers.3.mlp.experts.17.down_proj",
+    "model.language_model.layers.5.mlp.experts.17.down_proj", "model.language_model.layers.3.mlp.shared_experts.up_proj",
+    "model.language_model.layers.7.mlp.gate", "model.language_model.layers.7.mlp.gate_proj",
+    "model.language_model.layers.7.self_attn.kv_b_proj", "model.language_model.layers.7.self_attn.q_b_proj",
+    "model.visual.blocks.0.attn.qkv", "model.visualiser.proj", "lm_head",
+]
+
+
+def release_case(out):
+    """transformers' reading of the published config.json (the text config its model is built from), of
+    every layer-type spelling its config takes (its forward runs the two its mask mapping holds:
+    linear_attention and indexed_attention), of the FP8 release's quantization_config and of its rule
+    for modules_to_not_convert; the release's tensors."""
+    os.makedirs(os.path.join(out, "release"), exist_ok=True)
+    text = Glm5NextConfig.from_json_file(PUBLISHED_CONFIG).text_config.to_dict()
+    spellings = sorted({*_LEGACY_LAYER_TYPE_REMAP, *ALLOWED_ATTN_LAYER_TYPES})
+    quantization = FineGrainedFP8Config.from_dict(FP8_QUANTIZATION)
+    with open(os.path.join(out, "release", "config.json"), "w") as f:
+        json.dump({
+            "text_config": text, "layer_types": {s: layer_type_as_read(s) for s in spellings},
+            "quantization_config": FP8_QUANTIZATION,
+            "quantization": {
+                k: getattr(quantization, k) for k in ("weight_block_size", "activation_scheme", "modules_to_not_convert")
+            },
+            "skip_patterns": SKIP_PATTERNS,
+            "converted": {m: should_convert_module(m, SKIP_PATTERNS) for m in SKIP_MODULES},
+        }, f, indent=1)
+    with open(os.path.join(out, "release", "tensors.json"), "w") as f:
+        json.dump(release_tensors(), f)
+    return "release"
+
+
 def main():
     out = sys.argv[1]
     for sub in ("cases", "layers", "models"):
@@ -372,6 +426,7 @@ def main():
         "transformers": transformers.__version__,
         "cases": model_cases(out) + [generation_case(out), bf16_generation_case(out)],
         "layers": layer_cases(out),
+        "release": release_case(out),
     }
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
