@@ -17,9 +17,8 @@ import jax
 import numpy as np
 
 from .config import Config
-from .params import param_axes, param_shapes
-from .quantization import QuantizationConfig, describe, not_loaded_yet
-from .tensor_views import FLOAT8, View
+from .params import param_axes, param_shapes, tree_bytes
+from .quantization import QuantizationConfig, describe
 
 
 def size(n: float) -> str:
@@ -46,8 +45,7 @@ class CheckReport:
     param_bytes: int  # the loaded parameter tree
     layout: str | None
     device_bytes: int | None  # the loaded parameters a device holds under the layout
-    device_bytes_float8: int | None  # the same with float8 weights kept as stored (with their scales)
-    stops: str | None  # why load_checkpoint stops on files without problems
+    device_bytes_float8: int | None  # the same with float8 weights kept as stored (weights="checkpoint")
     problems: list[str]
     seconds: float
 
@@ -76,8 +74,6 @@ class CheckReport:
             lines.append(f"  per device:   {size(self.device_bytes)} under {self.layout}"
                          + (f" ({size(self.device_bytes_float8)} with the float8 weights kept as stored)"
                             if self.scales else ""))
-        if self.stops:
-            lines.append(f"  loading:      stops: {self.stops}")
         lines.append(f"  problems:     {len(self.problems) or 'none'}")
         lines += [f"    - {p}" for p in self.problems]
         lines.append(f"  checked in {self.seconds:.1f} s")
@@ -102,20 +98,21 @@ def summarise(plan, layout, dtype, start: float) -> CheckReport:
     if layout is not None:
         from .sharding import device_bytes, indivisible, placed
 
-        tree = placed(shapes, param_axes(config), layout)
-        problems += [f"sharding under {layout.name} does not divide: {p}" for p in indivisible(tree, _shardings(tree))]
-        if len(problems) == len(plan.problems):
-            device = device_bytes(tree)
-            device_float8 = _float8_device_bytes(plan, tree)
-    float8 = plan.float8_loaded()
+        forms = {False: "", True: " (float8 weights kept, with their block scales)"} if plan.scales else {False: ""}
+        held = {}
+        for fp8, form in forms.items():
+            tree = placed(param_shapes(config, dtype, fp8), param_axes(config, fp8), layout)
+            split = indivisible(tree, _shardings(tree))
+            problems += [f"sharding under {layout.name}{form} does not divide: {p}" for p in split]
+            held[fp8] = None if split else device_bytes(tree)
+        device, device_float8 = held[False], held.get(True)
     return CheckReport(
         path=plan.path, config=config, quantization=plan.quantization, files=len(files.files),
         file_bytes=files.file_bytes(), tensors=len(names) + len(files.unavailable),
         loaded=(len(loaded), sum(files.nbytes(n) for n in loaded)), skipped=skipped, scales=len(plan.scales),
         by_dtype={str(d): tuple(v) for d, v in sorted(by_dtype.items(), key=lambda kv: -kv[1][1])}, dtype=str(np.dtype(dtype)),
-        param_bytes=sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for s in jax.tree.leaves(shapes)),
+        param_bytes=tree_bytes(shapes),
         layout=None if layout is None else _layout_name(layout), device_bytes=device, device_bytes_float8=device_float8,
-        stops=not_loaded_yet(plan.path, len(float8)) if float8 and not plan.problems else None,
         problems=problems, seconds=time.perf_counter() - start,
     )
 
@@ -128,17 +125,3 @@ def _layout_name(layout) -> str:
     sizes = [layout.mesh.shape[a] for a in ("data", "expert", "model")]
     n = int(np.prod(sizes))
     return f"{layout.name}:{'x'.join(map(str, sizes)) if layout.name == '3d' else n}"
-
-
-def _float8_device_bytes(plan, tree) -> int:
-    """A device's bytes with each parameter made of float8 weights alone kept as stored: 1 byte an
-    element and a float32 scale a block; the others as loaded (DSA's absorbed projections are
-    computed in fp32 from kv_b, which stays bf16)."""
-    block = np.prod(plan.quantization.weight_block_size) if plan.quantization else 1
-    total = 0
-    views = jax.tree.leaves(plan.views, is_leaf=lambda v: v is None or isinstance(v, View))
-    for view, x in zip(views, jax.tree.leaves(tree), strict=True):
-        elements = int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64))
-        kept = view is not None and all(t.dtype in FLOAT8 for t in view.stored())
-        total += elements * (1 + 4 / block) if kept else elements * x.dtype.itemsize
-    return int(total)

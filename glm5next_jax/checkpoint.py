@@ -28,9 +28,22 @@ import numpy as np
 from .check import CheckReport, summarise
 from .config import DSA, Config, read_config_json
 from .errors import InputError, MissingFileError
+from .fp8_views import fp8_views
 from .params import Leaf, leaf_dtype, param_spec
-from .quantization import SCALE_SUFFIX, QuantizationConfig, not_loaded_yet, scale_problems
-from .tensor_views import FLOAT8, ArraySource, PerGroup, Scaled, SplitAxis, Squeeze, Stack, Tensor, TensorFiles, Transpose
+from .quantization import SCALE_SUFFIX, QuantizationConfig, scale_problems
+from .tensor_views import (
+    FLOAT8,
+    ArraySource,
+    BlockScaled,
+    PerGroup,
+    Scaled,
+    SplitAxis,
+    Squeeze,
+    Stack,
+    Tensor,
+    TensorFiles,
+    Transpose,
+)
 
 __all__ = ["ArraySource", "LoadPlan", "Reader", "TensorFiles", "check", "load_checkpoint", "plan_load"]
 
@@ -47,8 +60,9 @@ class Reader:
     Names are relative to `prefix`; a name starting with "/" is absolute (lm_head.weight).
     """
 
-    def __init__(self, source, prefix: str = "", wanted=None):
+    def __init__(self, source, prefix: str = "", wanted=None, scales=None):
         self.source, self.prefix = source, prefix
+        self.scales = scales or {}  # float8 weight -> its block scales
         wanted = set(source.names()) if wanted is None else wanted
         self.unused = set(wanted)
         self.unavailable = getattr(source, "unavailable", set())  # named by the source's own problems
@@ -85,7 +99,13 @@ class Reader:
                 if not jnp.issubdtype(dtype, jnp.floating):  # bf16 and fp8 included
                     self.mistyped.append(f"{full}: {dtype}")
                     return None
-                return Tensor(self.source, full, got, dtype)
+                tensor = Tensor(self.source, full, got, dtype)
+                if dtype in FLOAT8:  # its values are codes times its block scales (a missing scale is a problem)
+                    scale = self.scales.get(full)
+                    if scale is None:
+                        return None
+                    return BlockScaled(tensor, Tensor(self.source, scale, self.source.shape(scale), np.float32))
+                return tensor
         self.missing.append(self.prefix + names[0] if not names[0].startswith("/") else names[0][1:])
         return None
 
@@ -313,7 +333,7 @@ class LoadPlan:
         return sorted({t.name for v in views for t in v.stored()})
 
     def float8_loaded(self) -> list[str]:
-        """The float8 weights among them: what stops the load until FP8 weights are read."""
+        """The float8 weights among them."""
         return [n for n in self.loaded() if self.files.dtype(n) in FLOAT8]
 
 
@@ -337,9 +357,9 @@ def plan_load(path) -> LoadPlan:
             skipped.setdefault(reason, []).append(name)
         else:
             wanted.add(name)
-    reader = Reader(files, prefix, wanted)
-    views = read_params(reader, config)
     scales, scale_issues = scale_problems(files, quantization)
+    reader = Reader(files, prefix, wanted, scales)
+    views = read_params(reader, config)
     problems = files.problems + reader.problems() + scale_issues
     return LoadPlan(path, config, quantization, files, views, skipped, scales, problems)
 
@@ -381,32 +401,57 @@ def place(view, shape, dtype, sharding=None):
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None):
+WEIGHTS = ("checkpoint", "dequantize", "fp8")
+
+
+def _check_weights(weights):
+    if weights not in WEIGHTS:
+        raise InputError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+
+
+def form_views(plan: LoadPlan, weights: str):
+    """(fp8, the parameter views in the form `weights` asks for): the FP8 form (`params.param_spec(
+    config, fp8=True)`) where the converted linears are kept or made float8, else the plain form."""
+    _check_weights(weights)
+    fp8 = weights == "fp8" or (weights == "checkpoint" and bool(plan.float8_loaded()))
+    if not fp8:
+        return False, plan.views
+    return True, jax.tree_util.tree_map_with_path(
+        lambda key, leaf, view: fp8_views(view, leaf, jax.tree_util.keystr(key)) if leaf.converted else view,
+        param_spec(plan.config), plan.views, is_leaf=_is_leaf,
+    )
+
+
+def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None, weights="checkpoint"):
     """(config, params) from a transformers checkpoint directory; params in `dtype` ("float32" or "bfloat16").
 
+    weights: the form of the linears the release converts to block-scaled FP8 (`params.Fp8Weight`,
+    W8A8 in the layers): "checkpoint" keeps what is stored (float8 weights with their scales, a
+    bf16 checkpoint plain), "dequantize" reads float8 weights as their values (fp8 x scale, exact
+    in float32) in `dtype`, "fp8" also quantizes a bf16 checkpoint's (128 x 128 blocks of amax / 448).
+    DSA's q_b and o projections are absorbed with kv_b in fp32 whatever their form (docs/fp8.md).
     layout (`sharding.Layout`): each device reads its own slices of the parameters from the files
     (in a multi-process run, each process its addressable devices'), never the whole model in one
     place; None: one device. progress(done_layers, total_layers), if given, is called as layers load.
     Every problem `check` finds is refused in one error before any tensor data is read.
     """
     dtype = _load_dtype(dtype)
+    _check_weights(weights)
     plan = plan_load(path)
-    config, views, problems = plan.config, plan.views, plan.problems
+    config, problems = plan.config, plan.problems
     if len(problems) == 1:
         raise InputError(f"checkpoint {plan.path}: {problems[0]}")
     if problems:
         raise InputError(f"checkpoint {plan.path} has {len(problems)} problems:\n  " + "\n  ".join(problems))
-    float8 = plan.float8_loaded()
-    if float8:
-        raise InputError(not_loaded_yet(plan.path, len(float8)))
     if plan.skipped:
         log.info("skipped tensors outside the text forward: %s",
                  ", ".join(f"{r} ({len(n)})" for r, n in sorted(plan.skipped.items())))
-    spec = param_spec(config)
+    fp8, views = form_views(plan, weights)
+    spec = param_spec(config, fp8)
     if layout is not None:
         from .sharding import check_divisible, param_shardings
 
-        shardings = param_shardings(config, layout)
+        shardings = param_shardings(config, layout, fp8)
         shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32), spec, is_leaf=_is_leaf)
         check_divisible(shapes, shardings)
     else:

@@ -174,7 +174,7 @@ def cmd_info(args):
 
     from .cache import bytes_per_token
     from .config import Config
-    from .params import param_shapes
+    from .params import param_shapes, tree_bytes
 
     config = Config() if args.config == "released" else Config.from_hf(args.config)
     shapes = param_shapes(config, args.dtype)
@@ -189,6 +189,9 @@ def cmd_info(args):
           f"hidden {config.hidden_size}, {config.n_routed_experts} experts top-{config.num_experts_per_tok}")
     print(f"parameters:        {total:,} ({total / 1e9:.2f} B), of which routed experts {routed:,}, embeddings {embeddings:,}")
     print(f"active per token:  {active:,} ({active / 1e9:.2f} B; {(active - embeddings) / 1e9:.2f} B without embeddings)")
+    held = {form: tree_bytes(param_shapes(config, args.dtype, fp8=form == "fp8")) for form in ("plain", "fp8")}
+    print(f"weights as held:   {held['plain'] / 2**30:,.2f} GiB in {args.dtype}; {held['fp8'] / 2**30:,.2f} GiB with the "
+          "release's converted linears in block-scaled FP8 (weights='checkpoint' on the FP8 release)")
     print(f"cache per token:   {cache['per_token']:,.0f} bytes ({args.latent_dtype} latents, {args.dtype} indexer keys)")
     print(f"KDA state:         {cache['kda_state_per_sequence']:,.0f} bytes per sequence (fixed)")
 

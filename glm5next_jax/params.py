@@ -17,6 +17,7 @@ torch's [out, in] layout instead; DSA's q_b and o projections reach the model ab
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -55,6 +56,11 @@ def to_out_in(dims: tuple, batch_dims: int = 0) -> tuple:
     """A linear's dimensions (shape or logical axes) [*batch, in, *out] in torch's order [*batch, *out, in]."""
     b = batch_dims
     return dims[:b] + dims[b + 1:] + (dims[b],)
+
+
+def is_fp8(params) -> bool:
+    """Whether a parameter tree is in the FP8 form (holds `Fp8Weight` nodes)."""
+    return any(isinstance(x, Fp8Weight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight)))
 
 
 def fp8_leaf(leaf: Leaf) -> Fp8Weight:
@@ -229,6 +235,11 @@ def init_params(config: Config, key, dtype="bfloat16", fp8: bool = False):
         return (0.02 * jax.random.normal(k, leaf.shape, jnp.float32)).astype(dt)
 
     return jax.tree.unflatten(treedef, [make(l, k) for l, k in zip(leaves, keys)])
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a tree of arrays or ShapeDtypeStructs."""
+    return sum(int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def count_params(tree) -> int:

@@ -122,13 +122,6 @@ def describe(q: QuantizationConfig | None) -> str:
             f"{len(q.modules_to_not_convert):,} modules not converted")
 
 
-def not_loaded_yet(path, count) -> str:
-    """Why load_checkpoint stops on a checkpoint whose parameters are block-scaled float8 weights."""
-    return (f"checkpoint {path} holds {count:,} float8 weights with block scales (quantization_config fp8): FP8 "
-            f"block-scaled weights are not loaded yet (not yet supported); load_checkpoint's weights=\"dequantize\" "
-            f"(or weights=\"checkpoint\", kept in float8) will load them")
-
-
 def scale_problems(files, q: QuantizationConfig | None) -> tuple[dict[str, str], list[str]]:
     """({float8 weight: its scale}, problems) over every tensor of `files` (a TensorFiles): each float8
     weight needs its float32 scale of the right grid and a module that is converted; each scale its

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import Config
 from .errors import InputError
-from .params import param_axes
+from .params import is_fp8, param_axes
 
 MESH_AXES = ("data", "expert", "model")
 
@@ -169,8 +169,9 @@ def device_bytes(tree) -> int:
     return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def param_shardings(config: Config, layout: Layout):
-    return layout.shardings(param_axes(config))
+def param_shardings(config: Config, layout: Layout, fp8: bool = False):
+    """The parameters' shardings (fp8: of the FP8 form, `params.param_spec`)."""
+    return layout.shardings(param_axes(config, fp8))
 
 
 def indivisible(shapes_tree, shardings_tree) -> list[str]:
@@ -196,7 +197,7 @@ def check_divisible(shapes_tree, shardings_tree):
 
 def shard_params(params, config: Config, layout: Layout):
     """Place params on the layout's mesh by its rules."""
-    shardings = param_shardings(config, layout)
+    shardings = param_shardings(config, layout, is_fp8(params))
     check_divisible(params, shardings)
     return jax.device_put(params, shardings)
 

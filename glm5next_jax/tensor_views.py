@@ -187,6 +187,38 @@ class PerGroup(View):
         return x[tuple(cut)]
 
 
+class Float8(View):
+    """A stored float8 weight's codes, as stored (the FP8 form keeps them beside their scales)."""
+
+    def __init__(self, tensor: Tensor):
+        self.view, self.shape, self.dtype = tensor, tensor.shape, tensor.dtype
+
+    def _read(self, index):
+        return self.view.source.read_stored(self.view.name, index)
+
+
+class BlockScaled(View):
+    """A float8 weight [..., N, K] read as float32 values: each code times the scale of its block of
+    the last two axes (`scale` [..., ceil(N / block), ceil(K / block)]), exactly."""
+
+    def __init__(self, weight: Tensor, scale: Tensor, block: int = 128):
+        self.weight, self.scale, self.block = weight, scale, block
+        self.shape, self.dtype = weight.shape, np.dtype(np.float32)
+
+    def parts(self):
+        return [self.weight, self.scale]
+
+    def _read(self, index):
+        codes = self.weight.source.read_stored(self.weight.name, index).astype(np.float32)
+        b = self.block
+        spans = [slice(s.start // b, -(-s.stop // b)) for s in index[-2:]]
+        scales = self.scale._read(index[:-2] + tuple(spans))
+        for axis, span in zip((-2, -1), index[-2:]):
+            offset = span.start - span.start // b * b
+            scales = np.repeat(scales, b, axis=axis).take(range(offset, offset + span.stop - span.start), axis=axis)
+        return codes * scales
+
+
 class TensorFiles:
     """The tensors of a directory of (sharded) safetensors files, by name, read a slice at a time.
 
@@ -266,10 +298,15 @@ class TensorFiles:
         return self.read(name, full_index(self.shape(name)))
 
     def read(self, name, index) -> np.ndarray:
-        """The slice `index` of a tensor: the rows of its first axis that the slice spans, read at once."""
+        """The slice `index` of a tensor: the rows of its first axis that the slice spans, read at once.
+        A float8 tensor is refused: its values mean nothing without its scales (`BlockScaled`)."""
+        if self.entries[name][2] in FLOAT8:
+            raise InputError(f"{name} is {self.entries[name][2]}: block-scaled FP8 weights are read with their scales")
+        return self.read_stored(name, index)
+
+    def read_stored(self, name, index) -> np.ndarray:
+        """The slice `index` of a tensor as stored (float8 codes included)."""
         file, start, dtype, shape = self.entries[name]
-        if dtype in FLOAT8:
-            raise InputError(f"{name} is {dtype}: block-scaled FP8 weights are not read as values (not yet supported)")
         if not shape:
             rows, row_shape = slice(0, 1), ()
         else:
@@ -338,3 +375,5 @@ class ArraySource:
 
     def read(self, name, index):
         return self.arrays[name][tuple(index)]
+
+    read_stored = read

@@ -9,13 +9,16 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import ROOT, sharded_run
 
 import glm5next_jax
 from glm5next_jax import InputError, cli
-from glm5next_jax.checkpoint import check
-from glm5next_jax.tensor_views import TensorFiles
+from glm5next_jax.checkpoint import check, form_views, plan_load
+from glm5next_jax.params import param_shapes
+from glm5next_jax.tensor_views import TensorFiles, View
 
 sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
 import make_replica  # noqa: E402
@@ -72,7 +75,7 @@ def test_check_passes_on_both_published_variants_with_their_counts(replicas, rep
     assert fp8.by_dtype["float8_e4m3fn"][0] == SCALES and fp8.by_dtype["float32"][0] == SCALES + bf16.by_dtype["float32"][0]
     assert abs(fp8.file_bytes / 2**30 - 305.8) < 0.05  # the published sizes: 305.8 GiB and 643 GB
     assert abs(bf16.file_bytes / 1e9 - 643) < 0.5
-    assert "FP8 block-scaled weights are not loaded yet (not yet supported)" in fp8.stops and bf16.stops is None
+    assert fp8.device_bytes_float8 < fp8.device_bytes and bf16.device_bytes_float8 is None
 
 
 def test_bytes_a_device_are_what_the_layouts_devices_hold(reports):
@@ -163,14 +166,31 @@ def test_every_planted_problem_is_named_by_check_and_by_the_loader(replicas, tmp
     assert sorted(str(err.value).splitlines()[1:]) == sorted(f"  {p}" for p in listed)
 
 
-def test_loading_the_fp8_release_stops_before_any_data_is_read(replicas, monkeypatch):
+def test_the_fp8_release_maps_onto_the_fp8_form_without_reading_data(replicas, monkeypatch):
+    """Every converted linear of the released size keeps its stored codes and block scales: the views
+    have the FP8 form's shapes and dtypes, the codes views read float8 weights alone and the scales
+    views their weight_scale_inv tensors, and nothing is read to find out."""
     def no_reads(*args):
         raise AssertionError("tensor data read")
 
     monkeypatch.setattr(os, "pread", no_reads)
-    with pytest.raises(InputError, match=r"holds 36,467 float8 weights .* not loaded yet \(not yet supported\); "
-                                         r"load_checkpoint's weights=\"dequantize\""):
-        glm5next_jax.load_checkpoint(replicas / "fp8")
+    plan = plan_load(replicas / "fp8")
+    fp8, views = form_views(plan, "checkpoint")
+    assert fp8
+    shapes = param_shapes(plan.config, "bfloat16", fp8=True)
+    kept = 0
+    flat_views = jax.tree.leaves(views, is_leaf=lambda v: isinstance(v, View))
+    for (path, want), view in zip(jax.tree_util.tree_flatten_with_path(shapes)[0], flat_views, strict=True):
+        assert view.shape == want.shape, jax.tree_util.keystr(path)
+        if want.dtype == jnp.float8_e4m3fn:
+            kept += len(view.stored())
+            assert view.dtype == want.dtype and all(t.name.endswith(".weight") and t.dtype == want.dtype for t in view.stored())
+        elif any(t.name.endswith("_scale_inv") for t in view.stored()):
+            kept += len(view.stored())
+            assert all(t.name.endswith(".weight_scale_inv") for t in view.stored()), jax.tree_util.keystr(path)
+    # every float8 weight of the text layers but DSA's q_b and o (absorbed), with its scale
+    dsa_qb_o = 2 * plan.config.layer_types.count("indexed_attention")
+    assert kept == 2 * (len(plan.float8_loaded()) - dsa_qb_o)
 
 
 def test_a_float8_weight_without_a_quantization_config_is_named_and_never_read(replicas, tmp_path):
@@ -180,7 +200,7 @@ def test_a_float8_weight_without_a_quantization_config_is_named_and_never_read(r
     report = check(path)
     assert report.problems == [f"1 tensors are float8 (e.g. {name}) but config.json has no quantization_config to say how "
                                "they are scaled"]
-    with pytest.raises(InputError, match=f"{name} is float8_e4m3fn: block-scaled FP8 weights are not read as values"):
+    with pytest.raises(InputError, match=f"{name} is float8_e4m3fn: block-scaled FP8 weights are read with their scales"):
         TensorFiles(str(path)).get(name)
 
 
