@@ -19,13 +19,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "checkpoints", "glm5next-tiny")
 KERNELS = os.path.join(ROOT, "checkpoints", "glm5next-tiny-kernels")  # widths every kernel takes
-SHIPPED_MODELS = {"shipped": SHIPPED, "kernels": KERNELS}
+FP8 = os.path.join(ROOT, "checkpoints", "glm5next-tiny-fp8")  # the release's block-scaled FP8 format
+SHIPPED_MODELS = {"shipped": SHIPPED, "kernels": KERNELS, "fp8": FP8}
 GOLDENS = os.path.join(ROOT, ".goldens")
 REFERENCE_PYTHON = os.environ.get("GLM5NEXT_REFERENCE_PYTHON", os.path.join(ROOT, ".venv-ref", "bin", "python"))
 GOLDEN_INPUTS = [
     os.path.join(ROOT, "tests", "reference", "make_goldens.py"),
     os.path.join(ROOT, "tests", "reference", "requirements.txt"),
     os.path.join(ROOT, "checkpoints", "make_tiny.py"),
+    os.path.join(ROOT, "checkpoints", "release_fp8.py"),
+    os.path.join(ROOT, "tests", "reference", "fp8_goldens.py"),
     *(os.path.join(path, f) for path in SHIPPED_MODELS.values() for f in sorted(os.listdir(path))),
 ]
 
