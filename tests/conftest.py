@@ -115,6 +115,38 @@ def golden_layer(goldens, name):
     return dict(np.load(os.path.join(goldens, "layers", name + ".npz")))
 
 
+RELEASE_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def release_fp8_weights(path):
+    """The float8 weights (names) of a checkpoint in the FP8 release's format, and its TensorFiles, after
+    checking the format: each float8_e4m3fn weight [out, in] has a float32 `weight_scale_inv`
+    [ceil(out / 128), ceil(in / 128)] beside it; every other tensor is bf16 or float32; config.json's
+    quantization_config is the release's, its modules_to_not_convert naming each module that holds a
+    bf16 or float32 weight or bias, once, and no other."""
+    import ml_dtypes
+
+    from glm5next_jax.tensor_views import TensorFiles
+
+    files = TensorFiles(path)
+    fp8 = sorted(name for name in files.names() if files.dtype(name) == ml_dtypes.float8_e4m3fn)
+    scales = {name + "_scale_inv" for name in fp8}
+    for name in fp8:
+        out, k = files.shape(name)
+        scale = name + "_scale_inv"
+        assert scale in files and files.dtype(scale) == np.float32, name
+        assert files.shape(scale) == (-(-out // 128), -(-k // 128)), (name, files.shape(name), files.shape(scale))
+    others = [name for name in files.names() if name not in scales and name not in fp8]
+    assert {str(files.dtype(name)) for name in others} <= {"bfloat16", "float32"}
+    with open(os.path.join(path, "config.json")) as f:
+        quantization = json.load(f)["quantization_config"]
+    skipped = quantization.pop("modules_to_not_convert")
+    assert quantization == RELEASE_FP8
+    kept = {name.rsplit(".", 1)[0] for name in others if name.rsplit(".", 1)[1] in ("weight", "bias")}
+    assert len(skipped) == len(set(skipped)) and set(skipped) == kept, set(skipped) ^ kept
+    return fp8, files
+
+
 def relative_error(got, want, where=None):
     """max |got - want| / max |want| over the positions `where` selects (all if None)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
