@@ -73,7 +73,7 @@ KERNELS_TEXT = dict(
 # Every linear the FP8 release converts in whole 128 x 128 blocks (transformers' quantizer leaves any
 # other shape unquantized): hidden, q_lora, kv_lora, heads x head dims and both MLP widths multiples of
 # 128, hidden 256 so that each spans several blocks. Four layers: three KDA, then DSA; a dense MLP,
-# then MoEs of 8 experts (top 2) with a shared expert.
+# then MoEs of 8 experts (top 2) with a shared expert. No MTP layer: transformers' model has none.
 FP8_TEXT = dict(
     TINY_TEXT,
     hidden_size=256,

@@ -13,6 +13,7 @@ import tempfile
 
 import jax
 import jax.extend
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -124,8 +125,6 @@ def release_fp8_weights(path):
     [ceil(out / 128), ceil(in / 128)] beside it; every other tensor is bf16 or float32; config.json's
     quantization_config is the release's, its modules_to_not_convert naming each module that holds a
     bf16 or float32 weight or bias, once, and no other."""
-    import ml_dtypes
-
     from glm5next_jax.tensor_views import TensorFiles
 
     files = TensorFiles(path)
