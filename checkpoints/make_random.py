@@ -1,6 +1,6 @@
 """Write a random GLM-5-Next checkpoint in the release format, at any size, without transformers.
 
-    python checkpoints/make_random.py OUT [--layers 4] [--set moe_intermediate_size=256 ...] [--shard-gb 4]
+    python checkpoints/make_random.py OUT [--layers 4] [--set moe_intermediate_size=256 ...] [--shard-gb 4] [--fp8]
 
 The config is the released one (`glm5next_jax.Config()`: 45 layers, hidden 4096, 288 experts) with
 `--layers` and any `--set name=value` changes; the tensors are named and shaped as the release
@@ -9,6 +9,11 @@ of at most `--shard-gb` GB with `model.safetensors.index.json`. Tensors are draw
 a time (the host holds one tensor), so the released size (585 GiB) can be written where the disk
 holds it. Weights ~ N(0, 0.02); norms 1; the gates', decays' and mHC's vectors drawn in ranges a
 trained model has (A_log of rates 0.5-4, mHC scales 0.5-1.5), so the forward is well scaled.
+
+`--fp8` writes the FP8 release's format instead: the linears it converts (release_fp8.converted)
+as float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block (pallas_kernels.block_fp8's
+quantizer: scale = amax / 448), config.json with the release's `quantization_config`. The draws are
+the same as without it (one seed, one bf16 checkpoint and its FP8 form).
 """
 
 import argparse
@@ -19,13 +24,17 @@ import os
 import struct
 import sys
 
+import jax
 import ml_dtypes
 import numpy as np
+import release_fp8
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from glm5next_jax.config import DSA, Config  # noqa: E402
+from pallas_kernels import block_fp8  # noqa: E402
 
 PREFIX = "model.language_model."
+ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
 
 
 def release_tensors(c: Config):
@@ -113,43 +122,62 @@ def draw(rng, shape, how):
     return x.astype(ml_dtypes.bfloat16).reshape(shape)
 
 
-def write(out, config: Config, shard_bytes: int, seed: int = 0):
+def stored(name, shape, fp8_names):
+    """[(name, safetensors dtype, shape)] that a drawn tensor is written as: itself in bf16, or, where
+    it is one of `fp8_names`, its e4m3 values and their block scales."""
+    if name in fp8_names:
+        return [(name, "F8_E4M3", shape), (release_fp8.scale_name(name), "F32", release_fp8.scale_shape(shape))]
+    return [(name, "BF16", shape)]
+
+
+def nbytes(tensors):
+    return sum(math.prod(shape) * ITEMSIZE[dtype] for _, dtype, shape in tensors)
+
+
+def write(out, config: Config, shard_bytes: int, seed: int = 0, fp8: bool = False):
     """The checkpoint at `out`: config.json, the shards, the index; returns the tensors' bytes."""
     os.makedirs(out, exist_ok=True)
     tensors = release_tensors(config)
+    names = [name for name, _, _ in tensors]
+    fp8_names = set(release_fp8.converted(names)) if fp8 else set()
     shards, current, size = [], [], 0
-    for name, shape, how in tensors:  # shards of whole tensors, in order
-        nbytes = math.prod(shape) * 2
-        if current and size + nbytes > shard_bytes:
+    for name, shape, how in tensors:  # shards of whole tensors (a weight with its scales), in order
+        written = nbytes(stored(name, shape, fp8_names))
+        if current and size + written > shard_bytes:
             shards.append(current)
             current, size = [], 0
         current.append((name, shape, how))
-        size += nbytes
+        size += written
     shards.append(current)
     rng = np.random.default_rng(seed)
+    quantize = jax.jit(block_fp8.quantize_blocks)
     weight_map = {}
     total = 0
     for s, shard in enumerate(shards):
         file = f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
         header, offset = {}, 0
-        for name, shape, _ in shard:
-            nbytes = math.prod(shape) * 2
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
+        for name, dtype, shape in (entry for name, shape, _ in shard for entry in stored(name, shape, fp8_names)):
+            size = nbytes([(name, dtype, shape)])
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+            weight_map[name] = file
         text = json.dumps(header).encode()
         text += b" " * (-len(text) % 8)
         with open(os.path.join(out, file), "wb") as f:
             f.write(struct.pack("<Q", len(text)) + text)
             for name, shape, how in shard:
-                f.write(draw(rng, shape, how).tobytes())
-                weight_map[name] = file
+                x = draw(rng, shape, how)
+                arrays = quantize(x.astype(np.float32)) if name in fp8_names else (x,)
+                for array in arrays:
+                    f.write(np.asarray(array).tobytes())
         total += offset
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     text_config = {**config.to_dict(), "model_type": "glm5_next_text", "eos_token_id": list(config.eos_token_id)}
+    quantization = {"quantization_config": release_fp8.quantization_config(names)} if fp8 else {}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
-                   "tie_word_embeddings": config.tie_word_embeddings, "text_config": text_config}, f, indent=1)
+                   "tie_word_embeddings": config.tie_word_embeddings, **quantization, "text_config": text_config}, f, indent=1)
     return total
 
 
@@ -175,9 +203,10 @@ def main():
     )
     parser.add_argument("--shard-gb", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8", action="store_true", help="the FP8 release's format (block-scaled float8 linears)")
     args = parser.parse_args()
     config = config_of(args.layers, args.set)
-    total = write(args.out, config, int(args.shard_gb * 2**30), args.seed)
+    total = write(args.out, config, int(args.shard_gb * 2**30), args.seed, args.fp8)
     print(f"wrote {args.out}: {total / 2**30:.2f} GiB, {config.num_hidden_layers} layers, "
           f"{sum(math.prod(s) for _, s, _ in release_tensors(config)) / 1e9:.2f} B parameters")
 

@@ -2,10 +2,12 @@
 
     python checkpoints/make_tiny.py checkpoints/glm5next-tiny
     python checkpoints/make_tiny.py checkpoints/glm5next-tiny-kernels --shape kernels --seed 1
+    python checkpoints/make_tiny.py checkpoints/glm5next-tiny-fp8 --shape fp8 --fp8 --seed 2
 
 glm5next-tiny is the released structure at toy width; glm5next-tiny-kernels has widths that every
 Pallas kernel takes (KDA head dim 64, latent width 64, MoE widths the grouped GEMM's blocks divide),
-so the model runs end to end through the kernels in Pallas' interpreter.
+so the model runs end to end through the kernels in Pallas' interpreter. glm5next-tiny-fp8 is in the
+FP8 release's format (`--fp8`, see `save_fp8`).
 
 transformers' own initialisation leaves several parameters at constants (ape zeros, compress gate
 ones, router bias zeros, A_log zeros, mHC base zeros and scale ones); `randomise_special` draws
@@ -18,8 +20,12 @@ import json
 import math
 import os
 
+import release_fp8
 import torch
-from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+from transformers import FineGrainedFP8Config, Glm5NextConfig, Glm5NextForConditionalGeneration
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.integrations.finegrained_fp8 import Fp8Quantize
+from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
 # Structure of the released model at toy width: 8 layers (DSA at 3 and 7), 3 dense MLP layers,
 # 4 mHC streams, pool size 4, top-k 32 tokens (8 pools) so that sequences past 35 tokens are sparse.
@@ -48,8 +54,7 @@ TINY_TEXT = dict(
     eos_token_id=1,
     initializer_range=0.06,
 )
-TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=128,
-                   projection_intermediate_size=32)
+TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, projection_intermediate_size=32)
 
 
 # Widths every kernel takes, in three layers: KDA (scan: head dim 64 or 128), a full DSA layer and the
@@ -65,7 +70,22 @@ KERNELS_TEXT = dict(
     linear_num_heads=2,
     linear_head_dim=64,
 )
-SHAPES = {"tiny": TINY_TEXT, "kernels": KERNELS_TEXT}
+# Every linear the FP8 release converts in whole 128 x 128 blocks (transformers' quantizer leaves any
+# other shape unquantized): hidden, q_lora, kv_lora, heads x head dims and both MLP widths multiples of
+# 128, hidden 256 so that each spans several blocks. Four layers: three KDA, then DSA; a dense MLP,
+# then MoEs of 8 experts (top 2) with a shared expert. No MTP layer: transformers' model has none.
+FP8_TEXT = dict(
+    TINY_TEXT,
+    hidden_size=256,
+    num_hidden_layers=4,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+)
+SHAPES = {"tiny": TINY_TEXT, "kernels": KERNELS_TEXT, "fp8": FP8_TEXT}
 
 
 def tiny_text_config(shape="tiny", **overrides):
@@ -102,11 +122,32 @@ def randomise_special(model, seed):
 def build(text_overrides=None, seed=0, shape="tiny"):
     text = tiny_text_config(shape, **(text_overrides or {}))
     tied = text.get("tie_word_embeddings", False)  # read by the multimodal model from its top level
-    config = Glm5NextConfig(text_config=text, vision_config=TINY_VISION, tie_word_embeddings=tied)
+    vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"])  # the merger's output joins the text embeddings
+    config = Glm5NextConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration(config).eval()
     randomise_special(model, seed + 1)
     return model
+
+
+def save_fp8(model, out, max_shard_size):
+    """`model` saved in the FP8 release's format, with transformers' own save path: the state dict in
+    the file's names as `save_pretrained` makes them (`revert_weight_conversion`: per-expert tensors,
+    q/k/v convs, ...), the release's converted linears (release_fp8.converted) through transformers'
+    quantizer (`Fp8Quantize`: e4m3 values and a float32 `weight_scale_inv` per 128 x 128 block),
+    written by `save_pretrained` with the release's quantization_config. (transformers quantizes on
+    the fly only on a GPU; this is the same quantizer, called on the state dict.)"""
+    state = revert_weight_conversion(model, model.state_dict())
+    config = release_fp8.quantization_config(state)
+    quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config(**config)))
+    for name in release_fp8.converted(state):
+        quantized = quantize.convert({name: state[name]})
+        if release_fp8.scale_name(name) not in quantized:
+            raise ValueError(f"{name} {tuple(state[name].shape)}: not whole 128 x 128 blocks, which transformers' "
+                             "quantizer leaves unquantized; choose a --shape whose converted linears are")
+        state.update(quantized)
+    model.config.quantization_config = config
+    model.save_pretrained(out, state_dict=state, save_original_format=False, max_shard_size=max_shard_size)
 
 
 def main():
@@ -115,10 +156,14 @@ def main():
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the base text config")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overrides", default="{}", help="JSON dict of text-config overrides")
+    parser.add_argument("--fp8", action="store_true", help="store as the FP8 release does (see save_fp8)")
     args = parser.parse_args()
     model = build(json.loads(args.overrides), args.seed, args.shape).to(torch.bfloat16)
     os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out, max_shard_size="1MB")
+    if args.fp8:
+        save_fp8(model, args.out, max_shard_size="1MB")
+    else:
+        model.save_pretrained(args.out, max_shard_size="1MB")
     n = sum(p.numel() for k, p in model.state_dict().items() if "visual" not in k)
     print(f"wrote {args.out}: {n} text parameters")
 

@@ -14,13 +14,15 @@ import tempfile
 
 import jax
 import jax.extend
+import ml_dtypes
 import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "checkpoints", "glm5next-tiny")
 KERNELS = os.path.join(ROOT, "checkpoints", "glm5next-tiny-kernels")  # widths every kernel takes
-SHIPPED_MODELS = {"shipped": SHIPPED, "kernels": KERNELS}
+FP8 = os.path.join(ROOT, "checkpoints", "glm5next-tiny-fp8")  # the release's block-scaled FP8 format
+SHIPPED_MODELS = {"shipped": SHIPPED, "kernels": KERNELS, "fp8": FP8}
 GOLDENS = os.path.join(ROOT, ".goldens")
 REFERENCE_PYTHON = os.environ.get("GLM5NEXT_REFERENCE_PYTHON", os.path.join(ROOT, ".venv-ref", "bin", "python"))
 GOLDEN_INPUTS = [
@@ -29,6 +31,8 @@ GOLDEN_INPUTS = [
     os.path.join(ROOT, "checkpoints", "make_tiny.py"),
     os.path.join(ROOT, "checkpoints", "release_tensors.py"),
     os.path.join(ROOT, "tests", "model", "fixtures", "GLM-5.3-Flash.config.json"),
+    os.path.join(ROOT, "checkpoints", "release_fp8.py"),
+    os.path.join(ROOT, "tests", "reference", "fp8_goldens.py"),
     *(os.path.join(path, f) for path in SHIPPED_MODELS.values() for f in sorted(os.listdir(path))),
 ]
 
@@ -124,6 +128,36 @@ def golden_case(goldens, name):
 
 def golden_layer(goldens, name):
     return dict(np.load(os.path.join(goldens, "layers", name + ".npz")))
+
+
+RELEASE_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def release_fp8_weights(path):
+    """The float8 weights (names) of a checkpoint in the FP8 release's format, and its TensorFiles, after
+    checking the format: each float8_e4m3fn weight [out, in] has a float32 `weight_scale_inv`
+    [ceil(out / 128), ceil(in / 128)] beside it; every other tensor is bf16 or float32; config.json's
+    quantization_config is the release's, its modules_to_not_convert naming each module that holds a
+    bf16 or float32 weight or bias, once, and no other."""
+    from glm5next_jax.tensor_views import TensorFiles
+
+    files = TensorFiles(path)
+    fp8 = sorted(name for name in files.names() if files.dtype(name) == ml_dtypes.float8_e4m3fn)
+    scales = {name + "_scale_inv" for name in fp8}
+    for name in fp8:
+        out, k = files.shape(name)
+        scale = name + "_scale_inv"
+        assert scale in files and files.dtype(scale) == np.float32, name
+        assert files.shape(scale) == (-(-out // 128), -(-k // 128)), (name, files.shape(name), files.shape(scale))
+    others = [name for name in files.names() if name not in scales and name not in fp8]
+    assert {str(files.dtype(name)) for name in others} <= {"bfloat16", "float32"}
+    with open(os.path.join(path, "config.json")) as f:
+        quantization = json.load(f)["quantization_config"]
+    skipped = quantization.pop("modules_to_not_convert")
+    assert quantization == RELEASE_FP8
+    kept = {name.rsplit(".", 1)[0] for name in others if name.rsplit(".", 1)[1] in ("weight", "bias")}
+    assert len(skipped) == len(set(skipped)) and set(skipped) == kept, set(skipped) ^ kept
+    return fp8, files
 
 
 def relative_error(got, want, where=None):

@@ -27,7 +27,8 @@ def run_case(goldens, case, dtype="float32", **config_changes):
 
 
 def test_manifest_lists_every_case(manifest):
-    assert sorted(manifest["cases"]) == sorted(MODEL_CASES + ["generate", "generate_bf16"])
+    fp8 = ["fp8_left_pad", "fp8_right_pad", "fp8_generate"]  # tests/model/test_fp8_checkpoint.py
+    assert sorted(manifest["cases"]) == sorted(MODEL_CASES + ["generate", "generate_bf16"] + fp8)
     assert manifest["transformers"] == "5.23.0" and manifest["torch"].startswith("2.13.0")
 
 

@@ -10,11 +10,13 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, SHIPPED, record, sharded_run
+from conftest import ROOT, SHIPPED, record, release_fp8_weights, sharded_run
 from jax.sharding import PartitionSpec as P
 
 from glm5next_jax import Config, param_axes, param_shapes
 from glm5next_jax.sharding import abstract_layout, make_layout, make_mesh
+from glm5next_jax.tensor_views import TensorFiles
+from pallas_kernels import block_fp8
 
 
 def test_every_parameter_dimension_is_annotated():
@@ -110,10 +112,10 @@ def test_every_kernel_runs_inside_a_shard_map():
         assert all(entry["outside_shard_map"] == {} for entry in entries.values()), (layout, entries)
 
 
-def made_checkpoint(path, layers, settings):
+def made_checkpoint(path, layers, settings, *options):
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "checkpoints", "make_random.py"), str(path), "--layers", str(layers),
-         "--shard-gb", "0.25", *(f"--set={s}" for s in settings)],
+         "--shard-gb", "0.25", *(f"--set={s}" for s in settings), *options],
         capture_output=True, text=True, check=True,
     )
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")), done
@@ -152,6 +154,50 @@ SMALL_MADE = ["hidden_size=1024", "intermediate_size=3072", "n_routed_experts=64
 
 def test_loading_a_made_checkpoint_straight_into_shards(tmp_path):
     check_sharded_load(tmp_path, 4, SMALL_MADE, "tp-ep:8")
+
+
+# 4 layers (3 KDA + dense MLP, then DSA + MoE) whose converted linears end in partial blocks (q_lora 192,
+# experts 96 wide, dense MLPs 384) and span several (hidden 256, kv_lora 512, heads x 256).
+FP8_MADE = ["hidden_size=256", "intermediate_size=384", "n_routed_experts=4", "num_experts_per_tok=2",
+            "moe_intermediate_size=96", "vocab_size=1024", "q_lora_rank=192", "num_attention_heads=2",
+            "num_key_value_heads=2", "linear_num_heads=2", "index_n_heads=4"]
+
+
+def test_a_made_fp8_checkpoint_is_the_release_format(tmp_path):
+    """make_random --fp8 writes the release's FP8 format: float8 exactly for the dense MLPs, the experts,
+    the shared expert and DSA's q_a, q_b, kv_a and o projections; every other tensor byte for byte the
+    bf16 checkpoint of the same seed; each float8 value times its block's scale the bf16 draw within
+    half an e4m3 step (1/16 of it, or 2^-10 of the scale among e4m3's subnormals), the block's largest
+    |value| 448 (scale = amax / 448)."""
+    made_checkpoint(tmp_path / "bf16", 4, FP8_MADE)
+    made_checkpoint(tmp_path / "fp8", 4, FP8_MADE, "--fp8")
+    fp8, files = release_fp8_weights(tmp_path / "fp8")
+    layer = "model.language_model.layers."
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    want = [f"{layer}{i}.mlp.{p}.weight" for i in range(3) for p in mlp]
+    want += [f"{layer}3.mlp.{e}.{p}.weight" for e in ("experts.0", "experts.1", "experts.2", "experts.3", "shared_experts")
+             for p in mlp]
+    want += [f"{layer}3.self_attn.{p}.weight" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")]
+    assert fp8 == sorted(want)
+    bf16 = TensorFiles(tmp_path / "bf16")
+    assert set(bf16.names()) == set(files.names()) - {name + "_scale_inv" for name in fp8}
+    for name in bf16.names():
+        if name not in fp8:
+            assert bf16.dtype(name) == files.dtype(name) and np.array_equal(bf16.get(name), files.get(name)), name
+    worst = 0.0
+    for name in fp8:
+        q, scale = files.get(name), files.get(name + "_scale_inv")
+        drawn = bf16.get(name).astype(np.float32)
+        values = np.asarray(block_fp8.dequantize_blocks(q, scale))
+        scales = np.asarray(block_fp8.dequantize_blocks(np.ones_like(q), scale))  # each value's block scale
+        error = np.abs(values - drawn)
+        assert (error <= np.maximum(np.abs(drawn) / 16, scales / 1024)).all(), name
+        worst = max(worst, float((error / np.abs(drawn).max()).max()))
+        amax = np.abs(q.astype(np.float32))
+        for rows in range(0, q.shape[0], 128):
+            for cols in range(0, q.shape[1], 128):
+                assert amax[rows:rows + 128, cols:cols + 128].max() == 448, (name, rows, cols)
+    record("make_random --fp8: max |fp8 x scale - bf16 draw| / max |draw|", worst)
 
 
 @pytest.mark.slow

@@ -161,7 +161,10 @@ def save_case(out, name, model_name, model, ids, mask, bf16_model=None):
 
 
 def load(path, dtype):
-    return Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+    model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+    # transformers 5.23 leaves an FP8 checkpoint's unconverted weights in their stored bf16 whatever
+    # dtype is asked (its dequantizing step takes every weight); widening them is exact
+    return model.float() if dtype == torch.float32 else model
 
 
 def model_cases(out):
@@ -213,12 +216,12 @@ def model_cases(out):
 
 
 @torch.no_grad()
-def generation_case(out):
+def generation_case(out, path=SHIPPED, name="generate"):
     """transformers' own cached greedy generation: 32 new tokens for 2 prompts of different lengths
     (left-padded, as transformers' generate expects), drawn so that no EOS comes up."""
     from transformers import GenerationConfig
 
-    model = Glm5NextForConditionalGeneration.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    model = load(path, torch.float32)
     gen = torch.Generator().manual_seed(77)
     lengths, new = [23, 40], 32
     mask = padded_mask(lengths, max(lengths), "left")
@@ -239,9 +242,9 @@ def generation_case(out):
             break
     else:
         raise RuntimeError("no generation without near-ties")
-    np.savez(os.path.join(out, "cases", "generate.npz"), ids=ids.numpy(), mask=mask.numpy(),
+    np.savez(os.path.join(out, "cases", name + ".npz"), ids=ids.numpy(), mask=mask.numpy(),
              new_tokens=tokens[:, mask.shape[1]:].numpy(), greedy_margin=greedy_margin)
-    return "generate"
+    return name
 
 
 @torch.no_grad()
@@ -428,6 +431,9 @@ def main():
         "layers": layer_cases(out),
         "release": release_case(out),
     }
+    import fp8_goldens  # beside this file; it imports this module's helpers
+
+    fp8_goldens.add_to(manifest, out)
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     print(f"goldens in {out}: {len(manifest['cases'])} model cases, {len(manifest['layers'])} layer cases "
