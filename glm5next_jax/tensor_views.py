@@ -297,6 +297,10 @@ class TensorFiles:
     def get(self, name) -> np.ndarray:
         return self.read(name, full_index(self.shape(name)))
 
+    def get_stored(self, name) -> np.ndarray:
+        """A whole tensor as stored (a float8 weight's codes included)."""
+        return self.read_stored(name, full_index(self.shape(name)))
+
     def read(self, name, index) -> np.ndarray:
         """The slice `index` of a tensor: the rows of its first axis that the slice spans, read at once.
         A float8 tensor is refused: its values mean nothing without its scales (`BlockScaled`)."""

@@ -186,7 +186,7 @@ def test_a_made_fp8_checkpoint_is_the_release_format(tmp_path):
             assert bf16.dtype(name) == files.dtype(name) and np.array_equal(bf16.get(name), files.get(name)), name
     worst = 0.0
     for name in fp8:
-        q, scale = files.get(name), files.get(name + "_scale_inv")
+        q, scale = files.get_stored(name), files.get(name + "_scale_inv")
         drawn = bf16.get(name).astype(np.float32)
         values = np.asarray(block_fp8.dequantize_blocks(q, scale))
         scales = np.asarray(block_fp8.dequantize_blocks(np.ones_like(q), scale))  # each value's block scale
