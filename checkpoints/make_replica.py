@@ -23,24 +23,20 @@ import gzip
 import json
 import math
 import os
-import re
 import struct
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from glm5next_jax.config import DSA, Config  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
+import release_fp8  # noqa: E402
+
+from glm5next_jax.config import Config  # noqa: E402
 
 MANIFEST = os.path.join(ROOT, "checkpoints", "GLM-5.3-Flash.tensors.json.gz")
 PUBLISHED_CONFIG = os.path.join(ROOT, "tests", "model", "fixtures", "GLM-5.3-Flash.config.json")
 FILES = {"fp8": 62, "bf16": 120}  # the published shard counts
 ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4}
-BLOCK = 128
-CONVERTED = re.compile(
-    r"^model\.language_model\.layers\.(\d+)\.(?:(mlp\.(?:experts\.\d+\.|shared_experts\.)?(?:gate|up|down)_proj)"
-    r"|(self_attn\.(?:q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)))\.weight$"
-)
-QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK]}
 
 
 def manifest():
@@ -49,39 +45,18 @@ def manifest():
         return [(name, dtype, tuple(shape)) for name, dtype, shape in json.load(f)]
 
 
-def dsa_layers(config: Config):
-    """The layers whose attention is DSA: the text model's and the MTP layers after them."""
-    mtp = config.num_nextn_predict_layers or 0
-    n = config.num_hidden_layers
-    return {i for i, t in enumerate(config.layer_types) if t == DSA} | set(range(n, n + mtp))
-
-
-def converted(name, dsa):
-    """Whether the FP8 release stores this tensor in float8: an MLP's projection, or a DSA layer's
-    q_a, q_b, kv_a or o projection (KDA layers have an o_proj too, kept in bf16)."""
-    match = CONVERTED.match(name)
-    return bool(match) and (match.group(2) is not None or int(match.group(1)) in dsa)
-
-
-def release(variant, config: Config):
+def release(variant):
     """[(name, dtype, shape)] of a variant's tensors, in order (a scale right after its weight)."""
     tensors = manifest()
     if variant == "bf16":
         return tensors
-    dsa, out = dsa_layers(config), []
+    fp8, out = set(release_fp8.converted(name for name, _, _ in tensors)), []
     for name, dtype, shape in tensors:
-        if converted(name, dsa):
-            out += [(name, "F8_E4M3", shape), (name + "_scale_inv", "F32", tuple(math.ceil(n / BLOCK) for n in shape))]
+        if name in fp8:
+            out += [(name, "F8_E4M3", shape), (release_fp8.scale_name(name), "F32", release_fp8.scale_shape(shape))]
         else:
             out.append((name, dtype, shape))
     return out
-
-
-def modules_to_not_convert(tensors):
-    """The modules of the tensors left in bf16 that a module holds as its weight or bias, in order."""
-    modules = {name.rsplit(".", 1)[0]: None for name, dtype, _ in tensors
-               if dtype != "F8_E4M3" and name.rsplit(".", 1)[1] in ("weight", "bias") and not name.endswith("_scale_inv")}
-    return list(modules)
 
 
 def nbytes(dtype, shape):
@@ -130,10 +105,10 @@ def write(out, variant):
     """The replica at `out`: config.json, the shards, the index. Returns {files, tensors, bytes}."""
     with open(PUBLISHED_CONFIG) as f:
         config_json = json.load(f)
-    config = Config.from_hf(config_json)
-    tensors = release(variant, config)
+    Config.from_hf(config_json)  # the published config reads
+    tensors = release(variant)
     if variant == "fp8":
-        config_json["quantization_config"] = {**QUANTIZATION, "modules_to_not_convert": modules_to_not_convert(tensors)}
+        config_json["quantization_config"] = release_fp8.quantization_config(name for name, _, _ in manifest())
     os.makedirs(out, exist_ok=True)
     parts = shards(tensors, FILES[variant])
     weight_map, total = {}, 0

@@ -328,9 +328,9 @@ class LoadPlan:
     problems: list[str]
 
     def loaded(self) -> list[str]:
-        """The stored tensors the parameter views read."""
+        """The stored tensors the parameter views read, their float8 weights' scales aside."""
         views = [v for v in jax.tree.leaves(self.views) if v is not None]
-        return sorted({t.name for v in views for t in v.stored()})
+        return sorted({t.name for v in views for t in v.stored() if not t.name.endswith(SCALE_SUFFIX)})
 
     def float8_loaded(self) -> list[str]:
         """The float8 weights among them."""

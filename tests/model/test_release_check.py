@@ -17,11 +17,12 @@ from conftest import ROOT, sharded_run
 import glm5next_jax
 from glm5next_jax import InputError, cli
 from glm5next_jax.checkpoint import check, form_views, plan_load
-from glm5next_jax.params import param_shapes
+from glm5next_jax.params import Fp8Weight, param_shapes
 from glm5next_jax.tensor_views import TensorFiles, View
 
 sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
 import make_replica  # noqa: E402
+import release_fp8  # noqa: E402
 
 PUBLISHED = make_replica.PUBLISHED_CONFIG
 LAYOUTS = ("tp:8", "tp-ep:8")
@@ -86,8 +87,9 @@ def test_bytes_a_device_are_what_the_layouts_devices_hold(reports):
     # Kept as stored, a parameter of float8 weights alone (the MLPs, q_a and kv_a; q_b and o are absorbed with kv_b,
     # which stays bf16) is 1 byte an element and a float32 a 128 x 128 block: under tp:8 each device holds 1/8 of the
     # MLPs' and all of q_a's and kv_a's.
-    loaded8 = [(n, s) for n, _, s in manifest_groups()["loaded"]
-               if make_replica.converted(n, range(3, 45, 4)) and "q_b_proj" not in n and "o_proj" not in n]
+    loaded = manifest_groups()["loaded"]
+    fp8 = set(release_fp8.converted(n for n, _, _ in loaded))
+    loaded8 = [(n, s) for n, _, s in loaded if n in fp8 and "q_b_proj" not in n and "o_proj" not in n]
     replicated = sum(math.prod(s) for n, s in loaded8 if "_a_proj" in n)
     per_device = (sum(math.prod(s) for _, s in loaded8) - replicated) / 8 + replicated
     report = reports["fp8", "tp:8"]
@@ -178,19 +180,20 @@ def test_the_fp8_release_maps_onto_the_fp8_form_without_reading_data(replicas, m
     fp8, views = form_views(plan, "checkpoint")
     assert fp8
     shapes = param_shapes(plan.config, "bfloat16", fp8=True)
-    kept = 0
     flat_views = jax.tree.leaves(views, is_leaf=lambda v: isinstance(v, View))
     for (path, want), view in zip(jax.tree_util.tree_flatten_with_path(shapes)[0], flat_views, strict=True):
         assert view.shape == want.shape, jax.tree_util.keystr(path)
-        if want.dtype == jnp.float8_e4m3fn:
-            kept += len(view.stored())
-            assert view.dtype == want.dtype and all(t.name.endswith(".weight") and t.dtype == want.dtype for t in view.stored())
-        elif any(t.name.endswith("_scale_inv") for t in view.stored()):
-            kept += len(view.stored())
-            assert all(t.name.endswith(".weight_scale_inv") for t in view.stored()), jax.tree_util.keystr(path)
-    # every float8 weight of the text layers but DSA's q_b and o (absorbed), with its scale
-    dsa_qb_o = 2 * plan.config.layer_types.count("indexed_attention")
-    assert kept == 2 * (len(plan.float8_loaded()) - dsa_qb_o)
+    is_node = lambda x: isinstance(x, Fp8Weight)  # noqa: E731
+    nodes = [x for x in jax.tree.leaves(views, is_leaf=is_node) if is_node(x)]
+    kept = 0
+    for node in nodes:
+        codes, scales = node.weight.stored(), node.scale.stored()
+        assert node.weight.dtype == jnp.float8_e4m3fn and node.scale.dtype == jnp.float32
+        assert [t.name + "_scale_inv" for t in codes] == [t.name for t in scales]
+        assert all(t.dtype == jnp.float8_e4m3fn for t in codes)
+        kept += len(codes)
+    # every float8 weight of the text layers but DSA's q_b and o (absorbed with kv_b)
+    assert kept == len(plan.float8_loaded()) - 2 * plan.config.layer_types.count("indexed_attention")
 
 
 def test_a_float8_weight_without_a_quantization_config_is_named_and_never_read(replicas, tmp_path):
