@@ -2,7 +2,12 @@
 bytes of one step by kind, and a floor for the step's time from them.
 
     .venv-gpu-compile/bin/python -m bench.sharded_compile [--layers 45] [--layouts tp:8,tp-ep:8,dp-ep:8]
-        [--phases decode:64x32768,prefill:8192] [--json bench/sharded_compile.json] [--results bench/results.jsonl]
+        [--phases decode:64x32768,prefill:8192] [--weights bf16|fp8] [--devices 8]
+        [--json bench/sharded_compile.json] [--results bench/results.jsonl]
+
+`--weights fp8` holds the release's converted linears in block-scaled FP8 (`params.param_spec(config,
+fp8=True)`: what `load_checkpoint(..., weights="checkpoint")` gives on the FP8 release); `--devices`
+the mesh's size (the H100 and the H200 compile alike: compare the memory with 80 GB or 141 GB).
 
 Needs JAX's CUDA plugin (`.venv-gpu-compile`, see bench/decode_compile.py); nothing is materialised:
 parameters and caches are abstract arrays placed by the layout on 8 compile-only H200s
@@ -29,7 +34,7 @@ import time
 from bench.common import HBM, Results, add_results_argument, run_child
 from bench.decode_compile import H200_TARGET
 
-DEVICE = "8 compile-only NVIDIA H200s (no GPU)"
+DEVICE = "{} compile-only NVIDIA H200s (no GPU)"
 NVLINK = 450e9
 PHASES = "decode:64x32768,prefill:8192"  # decode:BATCHxCACHED, prefill:TOKENS (batch 1)
 
@@ -89,7 +94,7 @@ def _group_size(line):
     return 8
 
 
-def compile_one(layout_spec, phase, layers):
+def compile_one(layout_spec, phase, layers, weights="bf16", devices=8):
     """Compile one phase under one layout; its memory, collectives and floor as a dict."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # the plugin's checks need a driver
     import jax
@@ -102,13 +107,14 @@ def compile_one(layout_spec, phase, layers):
     from glm5next_jax.params import param_axes, param_shapes
     from glm5next_jax.sharding import device_bytes, make_layout, placed
 
-    topology = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET, topology="1x1x8")
+    topology = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET, topology=f"1x1x{devices}")
     jax.config.update("jax_default_device", topology.devices[0])
     jax.default_backend = lambda: "gpu"  # the library's GPU-only choices (kernels, the decode split)
     layout = make_layout(layout_spec, devices=topology.devices)
     config = glm5next_jax.Config() if layers is None else glm5next_jax.Config(num_hidden_layers=layers)
 
-    params = placed(param_shapes(config, "bfloat16"), param_axes(config), layout)
+    fp8 = weights == "fp8"
+    params = placed(param_shapes(config, "bfloat16", fp8), param_axes(config, fp8), layout)
     phase, p = phase_shape(phase)
     if phase == "prefill":  # a layout that splits the batch prefills one sequence a batch shard
         p["batch"] = max(p["batch"], layout.size("batch"))
@@ -130,16 +136,17 @@ def compile_one(layout_spec, phase, layers):
     compiled = traced.lower().compile(compiler_options={"xla_gpu_autotune_level": 0})
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    weights = device_bytes(params)
+    weight_bytes = device_bytes(params)
     found = collectives(compiled.as_text())
     sent = sum(v["sent_bytes"] for v in found.values())
     return {
-        "layout": layout_spec, "phase": phase, "layers": config.num_hidden_layers, "compile_s": round(seconds, 1),
+        "layout": layout_spec, "phase": phase, "layers": config.num_hidden_layers, "weights": weights,
+        "compile_s": round(seconds, 1),
         **{k: v for k, v in p.items() if k != "batch"},
         "batch": p["batch"],
         "argument_bytes": memory.argument_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
-        "output_bytes": memory.output_size_in_bytes, "weight_bytes": weights, "collectives": found,
-        "floor_ms": 1e3 * (weights / HBM + sent / NVLINK),
+        "output_bytes": memory.output_size_in_bytes, "weight_bytes": weight_bytes, "collectives": found,
+        "floor_ms": 1e3 * (weight_bytes / HBM + sent / NVLINK),
     }
 
 
@@ -150,23 +157,24 @@ def main():
     parser.add_argument("--phases", default=PHASES, help="decode:BATCHxCACHED and prefill:TOKENS, comma-separated")
     parser.add_argument("--limit", type=float, default=1800, help="seconds a compile may take")
     parser.add_argument("--json", help="append each result as a line of JSON here")
+    parser.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="the converted linears' form")
+    parser.add_argument("--devices", type=int, default=8, help="compile-only GPUs in the mesh")
     parser.add_argument("--one", nargs=2, metavar=("LAYOUT", "PHASE"), help=argparse.SUPPRESS)
     add_results_argument(parser)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(compile_one(*args.one, args.layers)))
+        print(json.dumps(compile_one(*args.one, args.layers, args.weights, args.devices)))
         return
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # for the children: the plugin's checks need a driver
-    results = Results(args.results, device=DEVICE)
+    results = Results(args.results, device=DEVICE.format(args.devices))
     gib = 2**30
     print("| layout | phase | batch | args GiB/dev | temp GiB/dev | weights GiB/dev |"
           " collective MiB/dev sent (AR/AG/RS/A2A/CP) | floor ms | compile s |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for layout in args.layouts.split(","):
         for phase in args.phases.split(","):
-            cmd = [sys.executable, "-m", "bench.sharded_compile", "--one", layout, phase] + (
-                ["--layers", str(args.layers)] if args.layers else []
-            )
+            cmd = [sys.executable, "-m", "bench.sharded_compile", "--one", layout, phase, "--weights", args.weights,
+                   "--devices", str(args.devices)] + (["--layers", str(args.layers)] if args.layers else [])
             r = run_child(cmd, args.limit, f"{layout} | {phase}")
             if r is None:
                 continue
@@ -174,7 +182,8 @@ def main():
                 with open(args.json, "a") as f:
                     f.write(json.dumps(r) + "\n")
             results.add(
-                "sharded_compile", f"{layout} {phase}, batch {r['batch']}, {r['layers']} layers", r["compile_s"], unit="s",
+                "sharded_compile", f"{layout} {phase}, batch {r['batch']}, {r['layers']} layers"
+                + (", fp8 weights" if args.weights == "fp8" else ""), r["compile_s"], unit="s",
                 metric="XLA compile s on the host's CPU", floor_ms=r["floor_ms"], weight_bytes=r["weight_bytes"],
                 argument_bytes=r["argument_bytes"], temp_bytes=r["temp_bytes"],
                 sent_bytes={kind: r["collectives"][kind]["sent_bytes"] for kind in KINDS},
