@@ -24,9 +24,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallas_kernels.block_fp8 import BLOCK
+
 from .config import Config
 from .errors import InputError
-from .params import is_fp8, param_axes
+from .params import Fp8Weight, is_fp8, param_axes, param_spec
 
 MESH_AXES = ("data", "expert", "model")
 
@@ -169,8 +171,31 @@ def device_bytes(tree) -> int:
     return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def fp8_cuts(config: Config, layout: Layout) -> list[str]:
+    """Where a layout would cut a float8 weight inside its 128 x 128 blocks, by name: the blocks' scales
+    would not split with the weight, and a row's 1 x 128 activation groups would straddle devices.
+    (The released widths cut whole blocks under every preset up to 16 devices.)"""
+    cuts = []
+
+    def check(path, node):
+        for dim, (size, name) in enumerate(zip(node.weight.shape, node.weight.axes)):
+            parts = layout.size(name, node.weight.axes) if name and dim >= len(node.weight.shape) - 2 else 1
+            if parts > 1 and (size // parts) % BLOCK:
+                cuts.append(f"{jax.tree_util.keystr(path)}: dimension {dim} ({size}, {name!r}) into {parts} parts of "
+                            f"{size // parts}, not whole {BLOCK}-blocks")
+
+    is_node = lambda x: isinstance(x, Fp8Weight)  # noqa: E731
+    jax.tree_util.tree_map_with_path(lambda p, x: check(p, x) if is_node(x) else None, param_spec(config, fp8=True),
+                                     is_leaf=is_node)
+    return cuts
+
+
 def param_shardings(config: Config, layout: Layout, fp8: bool = False):
-    """The parameters' shardings (fp8: of the FP8 form, `params.param_spec`)."""
+    """The parameters' shardings (fp8: of the FP8 form, `params.param_spec`, whose float8 weights a
+    layout must cut at block boundaries: `fp8_cuts`)."""
+    cuts = fp8_cuts(config, layout) if fp8 else []
+    if cuts:
+        raise InputError(f"layout {layout.name} cuts float8 weights inside their 128 x 128 blocks:\n  " + "\n  ".join(cuts))
     return layout.shardings(param_axes(config, fp8))
 
 

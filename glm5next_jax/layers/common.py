@@ -28,7 +28,7 @@ def fp8_linear(x, w: Fp8Weight):
     x_q, x_s = block_fp8.quantize_rows(x.reshape(-1, k))
     if len(out) == 1 or out[-1] % block_fp8.BLOCK == 0:
         weight, scale = w.weight.reshape(-1, k), w.scale.reshape(-1, w.scale.shape[-1])
-        y = moe_gemm.matmul_fp8(x_q, x_s, weight, scale)
+        y = moe_gemm.matmul_fp8(x_q, x_s, weight, scale, out_dtype=x.dtype)
     else:
         y = jnp.dot(block_fp8.dequantize_rows(x_q, x_s), block_fp8.dequantize_blocks(w.weight, w.scale).reshape(-1, k).T,
                     precision=PRECISION)

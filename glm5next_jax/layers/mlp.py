@@ -127,11 +127,12 @@ def _fp8_gemms(p, tokens, rows, implementation, interpret):
     else:
         gate_up = [Fp8Weight(gate_up.weight[:, j], gate_up.scale[:, j]) for j in (0, 1)]
     implementation, gemm = moe_gemm.plan_fp8(implementation, [w.weight for w in gate_up] + [down.weight], rows=rows,
-                                             interpret=interpret)
+                                             interpret=interpret, out_dtype=tokens.dtype)
 
     def run(x, x_scales, w, tiles):
         return moe_gemm.grouped_matmul_fp8(x, x_scales, w.weight, w.scale, tiles.tile_experts, tiles.used_tiles,
-                                           implementation=implementation, config=gemm, interpret=interpret)
+                                           implementation=implementation, config=gemm, interpret=interpret,
+                                           out_dtype=tokens.dtype)
 
     x_q, x_s = block_fp8.quantize_rows(tokens)
 

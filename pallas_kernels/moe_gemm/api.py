@@ -144,8 +144,10 @@ def _check_fp8(x, x_scales, weights, weight_scales, tile_experts, used_tiles):
     _check(x, jnp.swapaxes(weights, 1, 2), tile_experts, used_tiles)
 
 
-def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig):
+def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig, out_dtype):
     n, k = weights.shape[1:]
+    if jnp.dtype(out_dtype) != jnp.bfloat16:
+        return f"the kernel writes bf16, {jnp.dtype(out_dtype)} asked for"
     if config.block_rows not in (64, 128):
         return f"block_rows must be 64 or 128, got {config.block_rows}"
     if k % BLOCK or n % BLOCK:
@@ -153,7 +155,7 @@ def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig):
     return None
 
 
-def plan_fp8(implementation, weights, *, rows: int, interpret=False):
+def plan_fp8(implementation, weights, *, rows: int, interpret=False, out_dtype=jnp.bfloat16):
     """(implementation, Fp8GemmConfig) for the block-scaled FP8 grouped GEMMs of one call (weights
     [G, N, K]): 128-row tiles when the groups average over 64 rows and such tiles still give every
     SM 8 items of the narrowest GEMM, else 64-row ones (on the H100, a dense 8192 x 4096 -> 512
@@ -162,7 +164,7 @@ def plan_fp8(implementation, weights, *, rows: int, interpret=False):
     items = max_tiles(rows, experts, 128) * min(w.shape[1] for w in weights) // BLOCK
     config = Fp8GemmConfig(block_rows=128 if rows > 64 * experts and items >= 8 * sm_count() else 64)
     picks = {
-        pick_implementation(implementation, _fp8_kernel_unsupported(w, config), jnp.bfloat16, interpret=interpret)
+        pick_implementation(implementation, _fp8_kernel_unsupported(w, config, out_dtype), out_dtype, interpret=interpret)
         for w in weights
     }
     if picks == {"pallas"}:
@@ -172,23 +174,23 @@ def plan_fp8(implementation, weights, *, rows: int, interpret=False):
 
 def grouped_matmul_fp8(
     x, x_scales, weights, weight_scales, tile_experts, used_tiles, *, implementation=None,
-    config: Fp8GemmConfig = Fp8GemmConfig(), interpret=False,
+    config: Fp8GemmConfig = Fp8GemmConfig(), interpret=False, out_dtype=jnp.bfloat16,
 ):
     """Block-scaled FP8 (W8A8) grouped GEMM: x [T * block_rows, K] e4m3 rows in the tiled layout of
     `expert_tiles` with x_scales [T * block_rows, ceil(K / 128)] fp32 (1 x 128 groups), weights
     [G, N, K] e4m3 (torch's [out, in]) with weight_scales [G, ceil(N / 128), ceil(K / 128)] fp32
-    (128 x 128 blocks), tile_experts [T] int32, used_tiles [] int32 -> [T * block_rows, N] bf16.
+    (128 x 128 blocks), tile_experts [T] int32, used_tiles [] int32 -> [T * block_rows, N] in out_dtype.
 
-    The kernel takes N and K in whole blocks of 128 and block_rows == config.block_rows; its rows
-    of tiles past `used_tiles` are unwritten (zero from the reference). `interpret` as for
+    The kernel takes N and K in whole blocks of 128, block_rows == config.block_rows and writes bf16;
+    its rows of tiles past `used_tiles` are unwritten (zero from the reference). `interpret` as for
     `grouped_matmul`.
     """
     _check_fp8(x, x_scales, weights, weight_scales, tile_experts, used_tiles)
     impl = pick_implementation(
-        implementation, _fp8_kernel_unsupported(weights, config), jnp.bfloat16, interpret=interpret
+        implementation, _fp8_kernel_unsupported(weights, config, out_dtype), out_dtype, interpret=interpret
     )
     if impl == "reference":
-        return grouped_matmul_fp8_reference(x, x_scales, weights, weight_scales, tile_experts, used_tiles)
+        return grouped_matmul_fp8_reference(x, x_scales, weights, weight_scales, tile_experts, used_tiles, out_dtype)
     if x.shape[0] != tile_experts.shape[0] * config.block_rows:
         raise ValueError(
             f"grouped_matmul_fp8: x must have T * block_rows = {tile_experts.shape[0]} * {config.block_rows} rows,"
@@ -201,12 +203,13 @@ def grouped_matmul_fp8(
     )
 
 
-def matmul_fp8(x, x_scales, weight, weight_scale, *, implementation=None, config=None, interpret=False):
+def matmul_fp8(x, x_scales, weight, weight_scale, *, implementation=None, config=None, interpret=False,
+               out_dtype=jnp.bfloat16):
     """A dense block-scaled FP8 product: x [M, K] e4m3 with x_scales [M, ceil(K / 128)], weight [N, K]
-    e4m3 with weight_scale [ceil(N / 128), ceil(K / 128)] -> [M, N] bf16. The grouped GEMM over one
-    group, the rows padded to whole tiles (config None: `plan_fp8`'s, 64 rows up to 64, else 128)."""
+    e4m3 with weight_scale [ceil(N / 128), ceil(K / 128)] -> [M, N] in out_dtype. The grouped GEMM over
+    one group, the rows padded to whole tiles (config None: `plan_fp8`'s, 64 rows up to 64, else 128)."""
     m = x.shape[0]
-    implementation, planned = plan_fp8(implementation, (weight[None],), rows=m, interpret=interpret)
+    implementation, planned = plan_fp8(implementation, (weight[None],), rows=m, interpret=interpret, out_dtype=out_dtype)
     config = planned if config is None or implementation == "reference" else config
     block_rows = config.block_rows
     tiles = -(-m // block_rows)
@@ -214,6 +217,6 @@ def matmul_fp8(x, x_scales, weight, weight_scale, *, implementation=None, config
     out = grouped_matmul_fp8(
         jnp.pad(x, [(0, pad), (0, 0)]), jnp.pad(x_scales, [(0, pad), (0, 0)], constant_values=1.0), weight[None],
         weight_scale[None], jnp.zeros((tiles,), jnp.int32), jnp.int32(tiles),
-        implementation=implementation, config=config, interpret=interpret,
+        implementation=implementation, config=config, interpret=interpret, out_dtype=out_dtype,
     )
     return out[:m]

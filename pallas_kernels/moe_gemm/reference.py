@@ -17,11 +17,12 @@ def grouped_matmul_reference(x, weights, tile_experts, used_tiles):
     return out.astype(x.dtype)
 
 
-def grouped_matmul_fp8_reference(x, x_scales, weights, weight_scales, tile_experts, used_tiles):
+def grouped_matmul_fp8_reference(x, x_scales, weights, weight_scales, tile_experts, used_tiles, out_dtype=jnp.bfloat16):
     """The block-scaled FP8 product: x [T * block_rows, K] fp8 with x_scales [T * block_rows,
     ceil(K / 128)] (1 x 128 groups), weights [G, N, K] fp8 with weight_scales [G, ceil(N / 128),
-    ceil(K / 128)] (128 x 128 blocks), tile_experts [T], used_tiles [] -> [T * block_rows, N] bf16:
-    both operands dequantized exactly in fp32, multiplied in fp32; rows of unused tiles are zero."""
+    ceil(K / 128)] (128 x 128 blocks), tile_experts [T], used_tiles [] -> [T * block_rows, N] in
+    out_dtype: both operands dequantized exactly in fp32, multiplied in fp32; rows of unused tiles are
+    zero."""
     x = dequantize_rows(x, x_scales)
     w = jnp.swapaxes(dequantize_blocks(weights, weight_scales), 1, 2)
-    return grouped_matmul_reference(x, w, tile_experts, used_tiles).astype(jnp.bfloat16)
+    return grouped_matmul_reference(x, w, tile_experts, used_tiles).astype(out_dtype)

@@ -104,6 +104,33 @@ def equal_to_one_device():
     return out
 
 
+def fp8_equal_to_one_device():
+    """The FP8 form (W8A8; fp32 elsewhere) on every layout against one device: each token's forward
+    logits, and how its float8 weights are spread; the experts 1024 wide so that each layout cuts them
+    at 128-block boundaries, and the refusal of a layout that would not (the shipped widths')."""
+    config, _ = model()
+    config = config.replace(moe_intermediate_size=1024)
+    params = glm5next_jax.init_params(config, jax.random.key(0), "float32", fp8=True)
+    ids = np.random.default_rng(0).integers(2, config.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+    want = np.asarray(glm5next_jax.forward(params, config, ids))
+    out = {}
+    for spec in LAYOUTS:
+        layout = make_layout(spec)
+        sharded = shard_params(params, config, layout)
+        down = sharded["layers"][0]["mlp"]["experts_down"]
+        got = np.asarray(glm5next_jax.forward(sharded, config, ids, layout=layout), np.float64)
+        per_token = np.abs(got - want).max(-1) / np.abs(want).max()
+        out[spec] = {"median_token": float(np.median(per_token)), "worst_token": float(per_token.max()),
+                     "argmax_equal": float((got.argmax(-1) == want.argmax(-1)).mean()),
+                     "weight_spec": str(down.weight.sharding.spec), "scale_spec": str(down.scale.sharding.spec)}
+    narrow, _ = model()
+    try:
+        shard_params(glm5next_jax.init_params(narrow, jax.random.key(0), "float32", fp8=True), narrow, make_layout("tp:8"))
+    except glm5next_jax.InputError as err:
+        out["refused"] = str(err)
+    return out
+
+
 def collectives_of_the_decode_step():
     """The compiled bf16 decode step under each layout: its all-gathers (shape and bytes), and the
     sizes of the expert weights' local shards and whole arrays."""

@@ -75,6 +75,24 @@ def test_every_layout_equals_one_device(layout):
     assert (r["state_spec"], r["latent_spec"]) == (kda_state, latents)
 
 
+def test_the_fp8_form_on_every_layout_equals_one_device():
+    """W8A8 on 8 devices against one, fp32 around the float8 linears: the experts' codes and block
+    scales split alike; most tokens' logits are one device's bit for bit. Rows quantized again
+    before a GEMM make W8A8 discontinuous: where summation order moves a value across an e4m3
+    rounding boundary (or a group's amax by an ulp), a product moves by a step, and a few tokens by up
+    to 0.11 of max |logit| (one in a hundred changes its argmax). A layout that would cut a block is
+    refused by name."""
+    r = sharded_run("fp8_equal_to_one_device")
+    specs = {"tp:8": "P(None, None, 'model')", "tp-ep:8": "P('model', None, None)", "dp-ep:8": "P('data', None, None)",
+             "3d:2x2x2": "P('expert', None, 'model')"}
+    for layout, spec in specs.items():
+        record(f"fp8 form on {layout}: worst token's logits vs one device", r[layout]["worst_token"])
+        assert r[layout]["median_token"] < 1e-6 and r[layout]["argmax_equal"] >= 0.95, (layout, r[layout])
+        assert r[layout]["weight_spec"] == r[layout]["scale_spec"] == spec, (layout, r[layout])
+    assert "layout tp cuts float8 weights inside their 128 x 128 blocks" in r["refused"]
+    assert "['experts_down']: dimension 2 (32, 'expert_mlp') into 8 parts of 4" in r["refused"], r["refused"]
+
+
 def test_the_decode_step_gathers_no_expert_weights():
     """In the compiled bf16 decode step of every layout, each all-gather is far smaller than one
     device's share of an expert weight: the MoE moves tokens (and the cache writes their new rows),
