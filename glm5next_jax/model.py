@@ -44,7 +44,7 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
         weights, experts = route(p["mlp"], h.reshape(-1, h.shape[-1]), config)
         internals["routing"] = {"weights": weights.reshape(*h.shape[:-1], -1), "experts": experts.reshape(*h.shape[:-1], -1)}
     else:
-        y = dense_mlp(p["mlp"], h, config)
+        y = dense_mlp(p["mlp"], h, config, layout)
     return hyper.expand(post, comb, y, streams), aux, internals
 
 

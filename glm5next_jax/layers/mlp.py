@@ -18,9 +18,27 @@ def clamped_swiglu(gate_up, limit):
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
-def dense_mlp(p, x, config):
-    """p: gate_up [D, 2, I], down [I, D]."""
+def dense_mlp(p, x, config, layout=None):
+    """p: gate_up [D, 2, I], down [I, D] (or their `Fp8Weight` forms). Under a layout, FP8 weights run
+    in `shard_map` (their GEMM is a kernel, which XLA would otherwise gather whole): gate_up split on
+    I, down on its in dimension, the partial outputs summed over the devices that split I."""
+    if layout is not None and isinstance(p["down"], Fp8Weight):
+        return _fp8_dense_mlp_sharded(p, x, config, layout)
     return linear(clamped_swiglu(linear(x, p["gate_up"]), config.swiglu_limit), p["down"])
+
+
+def _fp8_dense_mlp_sharded(p, x, config, layout):
+    gate_up_axes, down_axes = to_out_in(("embed", None, "mlp")), to_out_in(("mlp", "embed"))
+    split = layout.mesh_axes("mlp", gate_up_axes)
+    x_axes = ("batch",) + (None,) * (x.ndim - 2) + ("embed",)
+
+    def local(gate_up, down, x):
+        y = dense_mlp({"gate_up": gate_up, "down": down}, x, config)
+        return jax.lax.psum(y, split) if split else y
+
+    run = layout.shard_map(local, in_axes=(Fp8Weight(gate_up_axes, gate_up_axes), Fp8Weight(down_axes, down_axes), x_axes),
+                           out_axes=x_axes)
+    return run(p["gate_up"], p["down"], x)
 
 
 def route(p, x, config):
@@ -201,5 +219,5 @@ def moe(p, x, config, implementation=None, interpret=False, layout=None):
         out = expert_parallel(p, tokens, config, implementation, interpret, layout)
     out = out.reshape(shape)
     if "shared" in p:
-        out = out + dense_mlp(p["shared"], x, config)
+        out = out + dense_mlp(p["shared"], x, config, layout)
     return out
