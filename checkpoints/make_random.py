@@ -21,22 +21,19 @@ import ast
 import json
 import math
 import os
-import struct
 import sys
 
 import jax
 import ml_dtypes
 import numpy as np
-import release_fp8
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from glm5next_jax import release_fp8  # noqa: E402
 from glm5next_jax.config import DSA, Config  # noqa: E402
+from glm5next_jax.safetensors_write import nbytes, plan_shards, write_shards  # noqa: E402
 from pallas_kernels import block_fp8  # noqa: E402
 
 PREFIX = "model.language_model."
-ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
-
-
 def release_tensors(c: Config):
     """(name, shape, how it is drawn) of every text tensor, in the release naming."""
     d, ch, k = c.hidden_size, c.kda_dim, c.linear_conv_kernel_dim
@@ -130,49 +127,24 @@ def stored(name, shape, fp8_names):
     return [(name, "BF16", shape)]
 
 
-def nbytes(tensors):
-    return sum(math.prod(shape) * ITEMSIZE[dtype] for _, dtype, shape in tensors)
-
-
 def write(out, config: Config, shard_bytes: int, seed: int = 0, fp8: bool = False):
     """The checkpoint at `out`: config.json, the shards, the index; returns the tensors' bytes."""
     os.makedirs(out, exist_ok=True)
     tensors = release_tensors(config)
     names = [name for name, _, _ in tensors]
+    how = {name: how for name, _, how in tensors}
     fp8_names = set(release_fp8.converted(names)) if fp8 else set()
-    shards, current, size = [], [], 0
-    for name, shape, how in tensors:  # shards of whole tensors (a weight with its scales), in order
-        written = nbytes(stored(name, shape, fp8_names))
-        if current and size + written > shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append((name, shape, how))
-        size += written
-    shards.append(current)
+    groups = [stored(name, shape, fp8_names) for name, shape, _ in tensors]
     rng = np.random.default_rng(seed)
     quantize = jax.jit(block_fp8.quantize_blocks)
-    weight_map = {}
-    total = 0
-    for s, shard in enumerate(shards):
-        file = f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, offset = {}, 0
-        for name, dtype, shape in (entry for name, shape, _ in shard for entry in stored(name, shape, fp8_names)):
-            size = nbytes([(name, dtype, shape)])
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
-            weight_map[name] = file
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        with open(os.path.join(out, file), "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-            for name, shape, how in shard:
-                x = draw(rng, shape, how)
-                arrays = quantize(x.astype(np.float32)) if name in fp8_names else (x,)
-                for array in arrays:
-                    f.write(np.asarray(array).tobytes())
-        total += offset
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+    def arrays_of(group):
+        name, _, shape = group[0]
+        x = draw(rng, shape, how[name])
+        return [np.asarray(a) for a in quantize(x.astype(np.float32))] if name in fp8_names else [x]
+
+    write_shards(out, plan_shards(groups, shard_bytes), arrays_of)
+    total = sum(nbytes(group) for group in groups)
     text_config = {**config.to_dict(), "model_type": "glm5_next_text", "eos_token_id": list(config.eos_token_id)}
     quantization = {"quantization_config": release_fp8.quantization_config(names)} if fp8 else {}
     with open(os.path.join(out, "config.json"), "w") as f:

@@ -21,22 +21,20 @@ cut where the running total of bytes crosses each 1/N of the whole.
 import argparse
 import gzip
 import json
-import math
 import os
 import struct
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
-import release_fp8  # noqa: E402
 
+from glm5next_jax import release_fp8  # noqa: E402
 from glm5next_jax.config import Config  # noqa: E402
+from glm5next_jax.safetensors_write import nbytes, shard_header  # noqa: E402
 
 MANIFEST = os.path.join(ROOT, "checkpoints", "GLM-5.3-Flash.tensors.json.gz")
 PUBLISHED_CONFIG = os.path.join(ROOT, "tests", "model", "fixtures", "GLM-5.3-Flash.config.json")
 FILES = {"fp8": 62, "bf16": 120}  # the published shard counts
-ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4}
 
 
 def manifest():
@@ -59,18 +57,14 @@ def release(variant):
     return out
 
 
-def nbytes(dtype, shape):
-    return math.prod(shape) * ITEMSIZE[dtype]
-
-
 def shards(tensors, files):
     """The tensors cut into `files` runs of whole tensors, each starting where the running total of
     bytes reaches its share of the whole."""
-    total = sum(nbytes(d, s) for _, d, s in tensors)
+    total = nbytes(tensors)
     out, start = [[] for _ in range(files)], 0
     for tensor in tensors:
         out[min(files - 1, start * files // total)].append(tensor)
-        start += nbytes(*tensor[1:])
+        start += nbytes([tensor])
     if any(not shard for shard in out):
         raise ValueError(f"a tensor spans more than 1/{files} of the checkpoint: {files} shards cannot all hold one")
     return out
@@ -79,17 +73,11 @@ def shards(tensors, files):
 def write_shard(file, tensors):
     """A safetensors header for `tensors` [(name, dtype, shape)], then a hole of their data's size.
     Returns the data's bytes."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, dtype, shape in tensors:
-        size = nbytes(dtype, shape)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    head, size = shard_header(tensors)
     with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        f.truncate(8 + len(text) + offset)
-    return offset
+        f.write(head)
+        f.truncate(len(head) + size)
+    return size
 
 
 def read_shard(file):

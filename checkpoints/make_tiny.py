@@ -16,16 +16,23 @@ released checkpoint. `build` is shared with tests/reference/make_goldens.py.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 
-import release_fp8
 import torch
 from transformers import FineGrainedFP8Config, Glm5NextConfig, Glm5NextForConditionalGeneration
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.integrations.finegrained_fp8 import Fp8Quantize
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+# The package's release split, by its path: this env has no JAX for the package's __init__.
+_spec = importlib.util.spec_from_file_location(
+    "release_fp8", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "glm5next_jax", "release_fp8.py")
+)
+release_fp8 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(release_fp8)
 
 # Structure of the released model at toy width: 8 layers (DSA at 3 and 7), 3 dense MLP layers,
 # 4 mHC streams, pool size 4, top-k 32 tokens (8 pools) so that sequences past 35 tokens are sparse.

@@ -30,6 +30,7 @@ from .config import DSA, Config, read_config_json
 from .errors import InputError, MissingFileError
 from .fp8_views import fp8_views
 from .params import Leaf, leaf_dtype, param_spec
+from .progress import ByteProgress
 from .quantization import SCALE_SUFFIX, QuantizationConfig, scale_problems
 from .tensor_views import (
     FLOAT8,
@@ -422,7 +423,7 @@ def form_views(plan: LoadPlan, weights: str):
     )
 
 
-def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None, weights="checkpoint"):
+def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress="auto", weights="checkpoint"):
     """(config, params) from a transformers checkpoint directory; params in `dtype` ("float32" or "bfloat16").
 
     weights: the form of the linears the release converts to block-scaled FP8 (`params.Fp8Weight`,
@@ -432,7 +433,9 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None, weigh
     DSA's q_b and o projections are absorbed with kv_b in fp32 whatever their form (docs/fp8.md).
     layout (`sharding.Layout`): each device reads its own slices of the parameters from the files
     (in a multi-process run, each process its addressable devices'), never the whole model in one
-    place; None: one device. progress(done_layers, total_layers), if given, is called as layers load.
+    place; None: one device. progress (`progress.ByteProgress`): "auto" shows a bar of the stored bytes
+    read, with rate and ETA, when stderr is a terminal; True always, False never; a callable gets
+    (done_bytes, total_bytes) as the tensors load.
     Every problem `check` finds is refused in one error before any tensor data is read.
     """
     dtype = _load_dtype(dtype)
@@ -457,21 +460,32 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress=None, weigh
     else:
         shardings = jax.tree.map(lambda _: None, spec, is_leaf=_is_leaf)
 
-    def load(tree_spec, tree_views, tree_shardings):
-        return jax.tree.map(
-            lambda leaf, view, sharding: place(view, leaf.shape, leaf_dtype(leaf, dtype), sharding),
-            tree_spec, tree_views, tree_shardings, is_leaf=_is_leaf,
-        )
+    counted = set()
 
-    layers = []
-    for i in range(config.num_hidden_layers):
-        if progress is not None:
-            progress(i, config.num_hidden_layers)
-        layers.append(load(spec["layers"][i], views["layers"][i], shardings["layers"][i]))
-    top = {k: v for k, v in spec.items() if k != "layers"}
-    params = load(top, {k: views[k] for k in top}, {k: shardings[k] for k in top})
-    if progress is not None:
-        progress(config.num_hidden_layers, config.num_hidden_layers)
+    def stored_bytes(view):
+        """Bytes of the stored tensors `view` reads that no earlier leaf read (kv_b serves two)."""
+        new = {t.name for t in view.stored()} - counted
+        counted.update(new)
+        return sum(plan.files.nbytes(name) for name in new)
+
+    total = sum(stored_bytes(view) for view in jax.tree.leaves(views))
+    counted.clear()
+
+    def load(tree_spec, tree_views, tree_shardings, bar):
+        def leaf(spec_leaf, view, sharding):
+            array = place(view, spec_leaf.shape, leaf_dtype(spec_leaf, dtype), sharding)
+            bar.advance(stored_bytes(view))
+            return array
+
+        return jax.tree.map(leaf, tree_spec, tree_views, tree_shardings, is_leaf=_is_leaf)
+
+    with ByteProgress(progress, total, "reading") as bar:
+        layers = [
+            load(spec["layers"][i], views["layers"][i], shardings["layers"][i], bar)
+            for i in range(config.num_hidden_layers)
+        ]
+        top = {k: v for k, v in spec.items() if k != "layers"}
+        params = load(top, {k: views[k] for k in top}, {k: shardings[k] for k in top}, bar)
     return config, {**params, "layers": layers}
 
 

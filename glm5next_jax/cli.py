@@ -60,15 +60,7 @@ def read_tokenizer(path):
         raise InputError(f"--tokenizer: {path} is not a tokenizer.json ({e})") from None
 
 
-def progress_bar(label):
-    def show(done, total):
-        width = 30
-        filled = width * done // max(total, 1)
-        print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", file=sys.stderr, flush=True)
-        if done == total:
-            print(file=sys.stderr)
-
-    return show
+PROGRESS = {"auto": "auto", "on": True, "off": False}
 
 
 def layout_of(args):
@@ -77,7 +69,7 @@ def layout_of(args):
     return None if args.mesh == "none" else make_layout(args.mesh)
 
 
-def load_model(path, dtype, layout=None, progress=None):
+def load_model(path, dtype, layout=None, progress="auto"):
     """(config, params) from a transformers checkpoint or an orbax directory written by `convert`,
     each device reading its own shards under a layout."""
     from .checkpoint import load_checkpoint
@@ -106,7 +98,7 @@ def cmd_generate(args):
         raise InputError("give --ids, or --tokenizer with --prompt")
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, vocab_size=None)
     layout = layout_of(args)
-    config, params = load_model(args.checkpoint, args.dtype, layout)
+    config, params = load_model(args.checkpoint, args.dtype, layout, PROGRESS[args.progress])
     stream = args.stream and len(prompts) == 1
     stamps = []
 
@@ -147,7 +139,7 @@ def cmd_logits(args):
     if args.out:
         check_output_file(args.out, "--out")
     layout = layout_of(args)
-    config, params = load_model(args.checkpoint, args.dtype, layout)
+    config, params = load_model(args.checkpoint, args.dtype, layout, PROGRESS[args.progress])
     start = time.perf_counter()
     logits = np.asarray(glm5next_jax.forward(params, config, ids, mask, layout=layout))
     seconds = time.perf_counter() - start
@@ -161,10 +153,21 @@ def cmd_logits(args):
 
 
 def cmd_convert(args):
+    if args.to == "fp8":
+        from .check import size
+        from .convert_fp8 import quantize_checkpoint
+
+        if args.mesh != "none":
+            raise InputError("--mesh: --to fp8 reads and writes a tensor at a time on this host, without devices")
+        made = quantize_checkpoint(args.checkpoint, args.out, shard_bytes=int(args.shard_gb * 2**30),
+                                   progress=PROGRESS[args.progress])
+        print(f"wrote {args.out}: {made['files']} files, {made['tensors']:,} tensors ({made['float8']:,} float8 with "
+              f"their block scales), {size(made['bytes_out'])} from {size(made['bytes_in'])}")
+        return
     from .store import check_target, save_params
 
     check_target(args.out)
-    config, params = load_model(args.checkpoint, args.dtype, layout_of(args), progress=progress_bar("reading"))
+    config, params = load_model(args.checkpoint, args.dtype, layout_of(args), PROGRESS[args.progress])
     save_params(args.out, params, config)  # each process writes its own shards
     print(f"wrote {args.out} ({args.dtype})")
 
@@ -211,6 +214,8 @@ def main(argv=None):
     def model_args(p, dtype="float32"):
         p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="checkpoint directory (default: the shipped tiny one)")
         p.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+        p.add_argument("--progress", default="auto", choices=sorted(PROGRESS),
+                       help="a bar of the bytes read, with ETA (auto: when stderr is a terminal)")
         p.add_argument(
             "--mesh", default="none", metavar="LAYOUT",
             help='spread the model over devices: a preset and its size ("tp:8", "tp-ep:8", "dp-ep:8") or "3d:DxExM"',
@@ -244,9 +249,13 @@ def main(argv=None):
     p.add_argument("--out", help="write the logits [B, T, vocab] here (.npy)")
     p.set_defaults(run=cmd_logits)
 
-    p = sub.add_parser("convert", help="transformers checkpoint -> orbax directory")
+    p = sub.add_parser("convert", help="transformers checkpoint -> orbax directory, or -> the FP8 release's format")
     model_args(p, dtype="bfloat16")
-    p.add_argument("--out", required=True, help="orbax output directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--to", default="orbax", choices=["orbax", "fp8"],
+                   help="orbax: params for fast restores; fp8: a transformers checkpoint with the release's linears "
+                        "in block-scaled FP8 (128 x 128 blocks, scale = amax / 448)")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="with --to fp8: the safetensors files' size")
     p.set_defaults(run=cmd_convert)
 
     p = sub.add_parser("info", help="parameter counts, active parameters and cache bytes per token")

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
+from .release_fp8 import SCALE_SUFFIX
 from .tensor_views import DTYPES, FLOAT8
 
 log = logging.getLogger("glm5next_jax")
 
-SCALE_SUFFIX = "_scale_inv"  # NAME.weight -> NAME.weight_scale_inv
 # quantization_config's fields: what each must be, and why anything else is refused.
 REQUIRED = {
     "quant_method": ("fp8", "block-scaled FP8 is the format read here"),

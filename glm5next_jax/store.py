@@ -63,7 +63,7 @@ def check_target(path, marker=META):
         raise InputError(f"{path} is {kind} but not a checkpoint written here (no {marker} in it): a save would replace it")
 
 
-def _writing(path, marker, write):
+def write_atomically(path, marker, write):
     """write(folder) into a fresh sibling of `path`, then the complete folder in path's place."""
     check_target(path, marker)
     path = os.path.abspath(os.fspath(path))
@@ -137,7 +137,7 @@ def save_params(path, params, config: Config):
                 f.flush()
                 os.fsync(f.fileno())
 
-    _writing(path, META, write)
+    write_atomically(path, META, write)
 
 
 def restore_params(path, shardings=None, *, layout=None):
@@ -167,7 +167,7 @@ def save_cache(path, cache):
             with open(os.path.join(folder, COMPLETE), "w"):
                 pass
 
-    _writing(path, COMPLETE, write)
+    write_atomically(path, COMPLETE, write)
 
 
 def restore_cache(path, shardings=None):

@@ -36,7 +36,7 @@ def _expand(scales, shape, axes):
     return scales[tuple(slice(0, n) for n in shape)]
 
 
-def _quantize(x, axes):
+def _quantize(x, axes, exact):
     x = jnp.asarray(x, jnp.float32)
     padded = _padded(x, axes)
     # [..., blocks, BLOCK] on each quantized axis, the amax over the BLOCK axes
@@ -48,16 +48,23 @@ def _quantize(x, axes):
         else:
             shape.append(n)
     amax = jnp.abs(padded.reshape(shape)).max(axis=tuple(reduce))
-    # A true division, as the release's quantizer does: XLA turns division by a constant or by a
-    # broadcast scalar into a product with the rounded reciprocal, one ulp off for half the scales.
+    # XLA turns a division by a constant or by a broadcast into a product with the divisor's rounded
+    # reciprocal. The scale is a true division, as the release's quantizer does (the barrier hides
+    # the constant); so are the codes where `exact` (the expanded scales materialised), else the
+    # product, within an fp32 ulp of the quotient: a code moves only where x / scale is that close
+    # to the midpoint of two e4m3 values.
     scales = jnp.maximum(amax / jax.lax.optimization_barrier(jnp.full(amax.shape, FP8_MAX, jnp.float32)), _TINY)
-    q = jnp.clip(x / _expand(scales, x.shape, axes), -FP8_MAX, FP8_MAX).astype(FP8)
+    expanded = _expand(scales, x.shape, axes)
+    if exact:
+        expanded = jax.lax.optimization_barrier(expanded)
+    q = jnp.clip(x / expanded, -FP8_MAX, FP8_MAX).astype(FP8)
     return q, scales
 
 
 def quantize_rows(x):
-    """x [..., K] -> (fp8 [..., K], scales [..., ceil(K / 128)] fp32): 1 x 128 groups along K."""
-    return _quantize(x, (x.ndim - 1,))
+    """x [..., K] -> (fp8 [..., K], scales [..., ceil(K / 128)] fp32): 1 x 128 groups along K. The
+    activations' quantizer, on the forward's path: its codes are x times 1 / scale (see _quantize)."""
+    return _quantize(x, (x.ndim - 1,), exact=False)
 
 
 def dequantize_rows(q, scales):
@@ -67,8 +74,9 @@ def dequantize_rows(q, scales):
 
 def quantize_blocks(w):
     """w [..., N, K] -> (fp8 [..., N, K], scales [..., ceil(N / 128), ceil(K / 128)] fp32): 128 x 128
-    blocks over the last two axes (torch's [out, in] layout, as the release stores them)."""
-    return _quantize(w, (w.ndim - 2, w.ndim - 1))
+    blocks over the last two axes (torch's [out, in] layout, as the release stores them); codes of
+    the true quotient w / scale, jitted or not."""
+    return _quantize(w, (w.ndim - 2, w.ndim - 1), exact=True)
 
 
 def dequantize_blocks(q, scales):

@@ -1,6 +1,8 @@
-"""Block-scaled FP8: the quantizers against a block-by-block numpy construction (partial blocks,
-zero blocks, leading axes), and the dequantized values within e4m3's rounding of the originals."""
+"""Block-scaled FP8: the quantizers, eager and jitted, against a block-by-block numpy construction
+(partial blocks, zero blocks, leading axes), and the dequantized values within e4m3's rounding of the
+originals."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -33,12 +35,14 @@ def spread_values(rng, shape):
     return x
 
 
+@pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("shape", [(3, 200, 300), (128, 128), (1, 64)])
-def test_quantize_blocks_matches_numpy_block_by_block(shape):
+def test_quantize_blocks_matches_numpy_block_by_block(shape, jit):
     rng = np.random.default_rng(0)
     w = spread_values(rng, shape)
+    w = np.array(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32))  # bf16 values: many exact ties
     w[..., :128, 128:256] = 0  # a zero block (where the shape has one)
-    q, scales = block_fp8.quantize_blocks(jnp.asarray(w))
+    q, scales = (jax.jit if jit else lambda f: f)(block_fp8.quantize_blocks)(jnp.asarray(w))
     want_q, want_scales = numpy_quantize(w, (128, 128))
     assert q.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
     assert scales.shape == shape[:-2] + (-(-shape[-2] // 128), -(-shape[-1] // 128))
@@ -52,17 +56,25 @@ def test_quantize_blocks_matches_numpy_block_by_block(shape):
     assert np.all(back[w == 0] == 0)
 
 
+@pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("shape", [(5, 7, 300), (64, 128), (2, 1)])
-def test_quantize_rows_matches_numpy_group_by_group(shape):
+def test_quantize_rows_matches_numpy_group_by_group(shape, jit):
     rng = np.random.default_rng(1)
     x = spread_values(rng, shape)
     x[..., 0, :] = 0  # a zero row: every group of it a zero block
-    q, scales = block_fp8.quantize_rows(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    q, scales = (jax.jit if jit else lambda f: f)(block_fp8.quantize_rows)(jnp.asarray(x))
     want_q, want_scales = numpy_quantize(x, (128,))
     assert scales.shape == shape[:-1] + (-(-shape[-1] // 128),)
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
-    np.testing.assert_array_equal(np.asarray(q).astype(np.float32), want_q.astype(np.float32))
+    # Jitted, the codes are x times 1 / scale: a code apart from the quotient's only where x / scale
+    # is within an fp32 ulp or two of the midpoint between the two codes.
+    got, want = np.asarray(q).astype(np.float32), want_q.astype(np.float32)
+    apart = got != want
+    quotient = x / np.repeat(want_scales, 128, -1)[..., : shape[-1]]
+    midway = (got + want) / 2
+    assert np.all(np.abs(quotient - midway)[apart] <= 2.0**-22 * np.abs(midway[apart])), quotient[apart]
+    assert apart.sum() <= (1e-2 * x.size if jit else 0)
     assert np.all(np.asarray(block_fp8.dequantize_rows(q, scales))[..., 0, :] == 0)
 
 

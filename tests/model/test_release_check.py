@@ -15,14 +15,13 @@ import pytest
 from conftest import ROOT, sharded_run
 
 import glm5next_jax
-from glm5next_jax import InputError, cli
+from glm5next_jax import InputError, cli, release_fp8
 from glm5next_jax.checkpoint import check, form_views, plan_load
 from glm5next_jax.params import Fp8Weight, param_shapes
 from glm5next_jax.tensor_views import TensorFiles, View
 
 sys.path.insert(0, os.path.join(ROOT, "checkpoints"))
 import make_replica  # noqa: E402
-import release_fp8  # noqa: E402
 
 PUBLISHED = make_replica.PUBLISHED_CONFIG
 LAYOUTS = ("tp:8", "tp-ep:8")

@@ -5,8 +5,9 @@ Converted: every MLP projection of the text model (dense MLPs, routed and shared
 layer's q_a, q_b, kv_a and o projections. Everything else stays as it is (KDA layers, whose o_proj
 included, kv_b, the indexer, the router, embeddings, lm_head, norms, the vision tower), and
 `modules_to_not_convert` lists each module of those that holds a weight or a bias, by its name in the
-file (transformers maps the names to its own modules when it loads). Names only, no dependencies:
-used by make_tiny.py (with transformers) and make_random.py (without).
+file (transformers maps the names to its own modules when it loads). Names only and the standard
+library alone: `glm5next-jax convert --to fp8` and checkpoints/make_random.py write this split, and
+checkpoints/make_tiny.py reads this file by its path in the reference env, which has no JAX.
 """
 
 import re
