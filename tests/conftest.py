@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -82,15 +83,18 @@ def _make_goldens():
 
 @pytest.fixture(scope="session")
 def goldens():
-    """Path of the golden directory, regenerated from transformers unless it is current."""
+    """Path of the golden directory, regenerated from transformers unless it is current. The check and
+    the making hold a lock: pytest-xdist's workers each ask, and one makes them while the others wait."""
     stamp_file = os.path.join(GOLDENS, "stamp")
-    current = os.path.exists(os.path.join(GOLDENS, "manifest.json")) and (
-        os.path.exists(stamp_file) and open(stamp_file).read() == _stamp()
-    )
-    if not current:
-        _make_goldens()
-        with open(stamp_file, "w") as f:
-            f.write(_stamp())
+    with open(os.path.join(ROOT, ".goldens.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = os.path.exists(os.path.join(GOLDENS, "manifest.json")) and (
+            os.path.exists(stamp_file) and open(stamp_file).read() == _stamp()
+        )
+        if not current:
+            _make_goldens()
+            with open(stamp_file, "w") as f:
+                f.write(_stamp())
     return GOLDENS
 
 
@@ -181,8 +185,34 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    worker_input = getattr(config, "workerinput", None)  # set in pytest-xdist's workers
+    if worker_input is not None:
+        config.kernel_seed = worker_input["kernel_seed"]
+        return
     seed = config.getoption("--kernel-seed")
     config.kernel_seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistController(config))
+
+
+class XdistController:
+    """Under pytest-xdist: every worker draws the session's kernel seed, and the errors each worker
+    measured come back for the controller's summary."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def pytest_configure_node(self, node):
+        node.workerinput["kernel_seed"] = self.config.kernel_seed
+
+    def pytest_testnodedown(self, node, error):
+        PARITY_ERRORS.update(json.loads(node.workeroutput.get("parity_errors", "{}")))
+
+
+def pytest_sessionfinish(session):
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["parity_errors"] = json.dumps(PARITY_ERRORS)
 
 
 def pytest_report_header(config):
