@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from .config import Config
-from .params import param_axes, param_shapes, tree_bytes
+from .params import param_axes, param_shapes, spec_shapes, tree_bytes
 from .quantization import QuantizationConfig, describe
 
 
@@ -96,13 +96,13 @@ def summarise(plan, layout, dtype, start: float) -> CheckReport:
     problems = list(plan.problems)
     device, device_float8 = None, None
     if layout is not None:
-        from .sharding import device_bytes, fp8_cuts, indivisible, placed
+        from .sharding import device_bytes, indivisible, layout_param_spec, placed
 
         forms = {False: "", True: " (float8 weights kept, with their block scales)"} if plan.scales else {False: ""}
         held = {}
         for fp8, form in forms.items():
-            tree = placed(param_shapes(config, dtype, fp8), param_axes(config, fp8), layout)
-            split = indivisible(tree, _shardings(tree)) + (fp8_cuts(config, layout) if fp8 else [])
+            tree = placed(spec_shapes(layout_param_spec(config, layout, fp8), dtype), param_axes(config, fp8), layout)
+            split = indivisible(tree, _shardings(tree))
             problems += [f"sharding under {layout.name}{form} does not divide: {p}" for p in split]
             held[fp8] = None if split else device_bytes(tree)
         device, device_float8 = held[False], held.get(True)

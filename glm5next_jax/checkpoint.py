@@ -28,7 +28,7 @@ import numpy as np
 from .check import CheckReport, summarise
 from .config import DSA, Config, read_config_json
 from .errors import InputError, MissingFileError
-from .fp8_views import fp8_views
+from .fp8_views import expand_views, fp8_views
 from .params import Leaf, leaf_dtype, param_spec
 from .progress import ByteProgress
 from .quantization import SCALE_SUFFIX, QuantizationConfig, scale_problems
@@ -452,8 +452,11 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress="auto", wei
     fp8, views = form_views(plan, weights)
     spec = param_spec(config, fp8)
     if layout is not None:
-        from .sharding import check_divisible, param_shardings
+        from .sharding import check_divisible, layout_param_spec, param_shardings, scales_per_element
 
+        if fp8:  # the weights the layout cuts inside blocks: their scales per element along the cut
+            spec = layout_param_spec(config, layout, fp8)
+            views = scales_per_element(views, config, layout, expand_views)
         shardings = param_shardings(config, layout, fp8)
         shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32), spec, is_leaf=_is_leaf)
         check_divisible(shapes, shardings)

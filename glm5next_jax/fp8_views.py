@@ -94,3 +94,29 @@ class Quantized(View):
         cut = tuple(slice(s.start - w.start, s.stop - w.start) for s, w in zip((rows, cols), whole))
         return np.asarray(codes)[(...,) + cut]
 
+
+class PerElement(View):
+    """Block scales `view` per element of `shape` (the codes' shape) along `axes`: each element
+    reads its block's scale. A slice reads the blocks it touches."""
+
+    def __init__(self, view: View, axes, shape):
+        self.view, self.axes = view, tuple(axes)
+        self.shape = tuple(n if axis in self.axes else s for axis, (n, s) in enumerate(zip(shape, view.shape)))
+        self.dtype = view.dtype
+
+    def _read(self, index):
+        b = block_fp8.BLOCK
+        inner = tuple(slice(s.start // b, -(-s.stop // b)) if axis in self.axes else s for axis, s in enumerate(index))
+        scales = self.view._read(inner)
+        for axis in self.axes:
+            offset = index[axis].start - inner[axis].start * b
+            scales = np.repeat(scales, b, axis=axis).take(range(offset, offset + index[axis].stop - index[axis].start),
+                                                          axis=axis)
+        return scales
+
+
+def expand_views(node: Fp8Weight, axes) -> Fp8Weight:
+    """An `Fp8Weight` of views with its scales per element on `axes` (`sharding.scales_per_element`'s
+    expand)."""
+    return Fp8Weight(node.weight, PerElement(node.scale, axes, node.weight.shape))
+

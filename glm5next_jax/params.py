@@ -46,7 +46,8 @@ class Fp8Weight(NamedTuple):
     """A linear's block-scaled FP8 weight, as the release stores it: `weight` e4m3 [*batch, *out, in]
     (torch's layout: K-major, as FP8 wgmma reads its operands) and `scale` fp32 [*batch, *out[:-1],
     ceil(out[-1] / 128), ceil(in / 128)], one per 128 x 128 block of the last two axes (value =
-    weight x scale). Both carry the logical axes of the dimensions they span."""
+    weight x scale). Both carry the logical axes of the dimensions they span. A layout that cuts
+    the blocks holds the scales per element along the cut axis (`sharding.scales_per_element`)."""
 
     weight: Any
     scale: Any
@@ -181,7 +182,11 @@ def leaf_dtype(leaf: Leaf, dtype) -> jnp.dtype:
 
 def param_shapes(config: Config, dtype="bfloat16", fp8: bool = False):
     """Tree of jax.ShapeDtypeStruct, the exact structure `load_checkpoint` and `init_params` return."""
-    spec = param_spec(config, fp8)
+    return spec_shapes(param_spec(config, fp8), dtype)
+
+
+def spec_shapes(spec, dtype="bfloat16"):
+    """The jax.ShapeDtypeStruct of each `Leaf` of a spec tree, in `dtype` where the leaf follows it."""
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, leaf_dtype(l, dtype)), spec, is_leaf=_is_leaf)
 
 

@@ -24,11 +24,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallas_kernels import block_fp8
 from pallas_kernels.block_fp8 import BLOCK
 
 from .config import Config
 from .errors import InputError
-from .params import Fp8Weight, is_fp8, param_axes, param_spec
+from .params import Fp8Weight, Leaf, is_fp8, param_axes, param_spec
 
 MESH_AXES = ("data", "expert", "model")
 
@@ -171,31 +172,61 @@ def device_bytes(tree) -> int:
     return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def fp8_cuts(config: Config, layout: Layout) -> list[str]:
-    """Where a layout would cut a float8 weight inside its 128 x 128 blocks, by name: the blocks' scales
-    would not split with the weight, and a row's 1 x 128 activation groups would straddle devices.
-    (The released widths cut whole blocks under every preset up to 16 devices.)"""
-    cuts = []
+def fp8_cut_axes(config: Config, layout: Layout) -> dict[str, tuple[int, ...]]:
+    """The float8 weights that a layout cuts inside their 128 x 128 blocks: each one's path in the
+    parameter tree (`jax.tree_util.keystr`) -> the axes of [*batch, out, in] cut there. A device then
+    holds such a weight's scales per element along those axes (`scales_per_element`), so that its
+    slice of the scales is the one its codes need; where in is cut, a row's 1 x 128 activation groups
+    straddle devices too, and the layers quantize them with an all-reduce of the pieces' amax
+    (`layers.common.quantize_split_rows`). The released widths cut whole blocks under every preset up
+    to 16 devices."""
+    cuts = {}
 
     def check(path, node):
-        for dim, (size, name) in enumerate(zip(node.weight.shape, node.weight.axes)):
-            parts = layout.size(name, node.weight.axes) if name and dim >= len(node.weight.shape) - 2 else 1
-            if parts > 1 and (size // parts) % BLOCK:
-                cuts.append(f"{jax.tree_util.keystr(path)}: dimension {dim} ({size}, {name!r}) into {parts} parts of "
-                            f"{size // parts}, not whole {BLOCK}-blocks")
+        shape, axes = node.weight.shape, node.weight.axes
+        cut = tuple(dim for dim in (len(shape) - 2, len(shape) - 1)
+                    if axes[dim] and (parts := layout.size(axes[dim], axes)) > 1 and (shape[dim] // parts) % BLOCK)
+        if cut:
+            cuts[jax.tree_util.keystr(path)] = cut
 
-    is_node = lambda x: isinstance(x, Fp8Weight)  # noqa: E731
-    jax.tree_util.tree_map_with_path(lambda p, x: check(p, x) if is_node(x) else None, param_spec(config, fp8=True),
-                                     is_leaf=is_node)
+    _each_fp8_node(check, param_spec(config, fp8=True))
     return cuts
 
 
+def _each_fp8_node(fn, tree):
+    """tree with fn(path, node) in place of each `Fp8Weight` node (nodes of specs, views or arrays)."""
+    is_node = lambda x: isinstance(x, (Fp8Weight, Leaf))  # noqa: E731
+    return jax.tree_util.tree_map_with_path(lambda p, x: fn(p, x) if isinstance(x, Fp8Weight) else x, tree, is_leaf=is_node)
+
+
+def scales_per_element(tree, config: Config, layout: Layout, expand):
+    """An FP8-form tree (of `Leaf` specs, loader views or arrays) as `layout` holds it: each weight that
+    the layout cuts inside its blocks (`fp8_cut_axes`) as `expand(node, axes)`, its scales per
+    element along those axes."""
+    cuts = fp8_cut_axes(config, layout)
+    return _each_fp8_node(lambda path, node: expand(node, cuts[key]) if (key := jax.tree_util.keystr(path)) in cuts
+                          else node, tree)
+
+
+def expand_spec(node: Fp8Weight, axes) -> Fp8Weight:
+    """An `Fp8Weight` of specs with its scales per element on `axes` (`scales_per_element`'s expand)."""
+    shape = tuple(n if dim in axes else s for dim, (n, s) in enumerate(zip(node.weight.shape, node.scale.shape)))
+    return Fp8Weight(node.weight, dataclasses.replace(node.scale, shape=shape))
+
+
+def expand_arrays(node: Fp8Weight, axes) -> Fp8Weight:
+    """An `Fp8Weight` of arrays with its scales per element on `axes` (`scales_per_element`'s expand)."""
+    return Fp8Weight(node.weight, block_fp8.expand_scales(node.scale, node.weight.shape, axes))
+
+
+def layout_param_spec(config: Config, layout: Layout, fp8: bool = False):
+    """`params.param_spec` as `layout` holds it (the FP8 form's cut scales per element)."""
+    spec = param_spec(config, fp8)
+    return scales_per_element(spec, config, layout, expand_spec) if fp8 else spec
+
+
 def param_shardings(config: Config, layout: Layout, fp8: bool = False):
-    """The parameters' shardings (fp8: of the FP8 form, `params.param_spec`, whose float8 weights a
-    layout must cut at block boundaries: `fp8_cuts`)."""
-    cuts = fp8_cuts(config, layout) if fp8 else []
-    if cuts:
-        raise InputError(f"layout {layout.name} cuts float8 weights inside their 128 x 128 blocks:\n  " + "\n  ".join(cuts))
+    """The parameters' shardings (fp8: of the FP8 form, its scales split alike with their codes)."""
     return layout.shardings(param_axes(config, fp8))
 
 
@@ -221,8 +252,12 @@ def check_divisible(shapes_tree, shardings_tree):
 
 
 def shard_params(params, config: Config, layout: Layout):
-    """Place params on the layout's mesh by its rules."""
-    shardings = param_shardings(config, layout, is_fp8(params))
+    """Place params on the layout's mesh by its rules (in the FP8 form, the scales of the weights it
+    cuts inside blocks per element along the cut: `scales_per_element`)."""
+    fp8 = is_fp8(params)
+    if fp8:
+        params = scales_per_element(params, config, layout, expand_arrays)
+    shardings = param_shardings(config, layout, fp8)
     check_divisible(params, shardings)
     return jax.device_put(params, shardings)
 

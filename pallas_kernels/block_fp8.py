@@ -5,6 +5,10 @@ holding `value = fp8 * scale` with `scale = amax / 448` (448 is e4m3's largest f
 Scales are float32 and cover the trailing axes in whole blocks: a dimension that is not a multiple
 of 128 ends in a partial block, which has a scale of its own. An all-zero block gets the smallest
 normal float32 as its scale (its values stay exact zeros, nothing divides by zero).
+
+A scale axis as long as its data axis holds one scale per element along it, each its block's
+(`expand_scales`): the form a device keeps where a mesh cuts a block, so that its slice of the scales
+is its slice of the data's. The (de)quantizers here and the GEMMs' references take either form.
 """
 
 import jax
@@ -29,11 +33,31 @@ def _padded(x, axes):
     return jnp.pad(x, pad)
 
 
-def _expand(scales, shape, axes):
-    """Each scale repeated over its block of `shape` on `axes`, cut to `shape`."""
+def expand_scales(scales, shape, axes):
+    """Scales per element of `shape` along `axes`: each block's repeated over its elements (an axis
+    already per element, as long as the data's, is kept)."""
     for axis in axes:
-        scales = jnp.repeat(scales, BLOCK, axis=axis)
-    return scales[tuple(slice(0, n) for n in shape)]
+        if scales.shape[axis] != shape[axis]:
+            scales = jnp.repeat(scales, BLOCK, axis=axis)[(slice(None),) * axis + (slice(0, shape[axis]),)]
+    return scales
+
+
+def in_blocks(data_shape, scale_shape) -> bool:
+    """Whether the scales of data [..., N, K] (or [..., K]: pass one axis of each) are one per block on
+    every scaled axis, as the kernels take them (not per element on any)."""
+    return all(s == blocks(n) for n, s in zip(data_shape, scale_shape))
+
+
+def scales_of(amax):
+    """The scales of blocks whose largest magnitude is amax: amax / 448 by true division (XLA would
+    turn a division by a constant into a product with its rounded reciprocal; the barrier hides the
+    constant), the smallest normal float32 for an all-zero block."""
+    return jnp.maximum(amax / jax.lax.optimization_barrier(jnp.full(amax.shape, FP8_MAX, jnp.float32)), _TINY)
+
+
+def encode(x, expanded_scales):
+    """e4m3 codes of x / scale (scales given per element)."""
+    return jnp.clip(x / expanded_scales, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
 def _quantize(x, axes, exact):
@@ -48,17 +72,15 @@ def _quantize(x, axes, exact):
         else:
             shape.append(n)
     amax = jnp.abs(padded.reshape(shape)).max(axis=tuple(reduce))
-    # XLA turns a division by a constant or by a broadcast into a product with the divisor's rounded
-    # reciprocal. The scale is a true division, as the release's quantizer does (the barrier hides
-    # the constant); so are the codes where `exact` (the expanded scales materialised), else the
-    # product, within an fp32 ulp of the quotient: a code moves only where x / scale is that close
-    # to the midpoint of two e4m3 values.
-    scales = jnp.maximum(amax / jax.lax.optimization_barrier(jnp.full(amax.shape, FP8_MAX, jnp.float32)), _TINY)
-    expanded = _expand(scales, x.shape, axes)
+    scales = scales_of(amax)
+    # XLA turns a division by a broadcast into a product with the divisor's rounded reciprocal. The
+    # codes are of the true quotient where `exact` (the expanded scales materialised), else of the
+    # product, within an fp32 ulp of it: a code moves only where x / scale is that close to the
+    # midpoint of two e4m3 values.
+    expanded = expand_scales(scales, x.shape, axes)
     if exact:
         expanded = jax.lax.optimization_barrier(expanded)
-    q = jnp.clip(x / expanded, -FP8_MAX, FP8_MAX).astype(FP8)
-    return q, scales
+    return encode(x, expanded), scales
 
 
 def quantize_rows(x):
@@ -68,8 +90,8 @@ def quantize_rows(x):
 
 
 def dequantize_rows(q, scales):
-    """The float32 values of `quantize_rows`' output."""
-    return q.astype(jnp.float32) * _expand(scales, q.shape, (q.ndim - 1,))
+    """The float32 values of `quantize_rows`' output (scales per group or per element)."""
+    return q.astype(jnp.float32) * expand_scales(scales, q.shape, (q.ndim - 1,))
 
 
 def quantize_blocks(w):
@@ -80,5 +102,5 @@ def quantize_blocks(w):
 
 
 def dequantize_blocks(q, scales):
-    """The float32 values of `quantize_blocks`' output."""
-    return q.astype(jnp.float32) * _expand(scales, q.shape, (q.ndim - 2, q.ndim - 1))
+    """The float32 values of `quantize_blocks`' output (scales per block or per element on each axis)."""
+    return q.astype(jnp.float32) * expand_scales(scales, q.shape, (q.ndim - 2, q.ndim - 1))

@@ -19,20 +19,37 @@ def linear(x, w):
     return jnp.tensordot(x, w, axes=1, precision=PRECISION).astype(x.dtype)
 
 
-def fp8_linear(x, w: Fp8Weight):
-    """W8A8, as the release runs: x's rows quantized per token in 1 x 128 groups, times the block-scaled
-    weight [*out, in], fp32 accumulation -> [..., *out] in x's dtype. `moe_gemm.matmul_fp8` (the FP8
-    kernel on a GPU) where the out dimensions flatten into whole blocks; else (gate and up each
-    ending in a partial block) the same product on the dequantized operands."""
+def fp8_linear(x, w: Fp8Weight, quantize_rows=block_fp8.quantize_rows):
+    """W8A8, as the release runs: x's rows quantized per token in 1 x 128 groups (`quantize_rows`;
+    `quantize_split_rows` where a mesh splits them), times the block-scaled weight [*out, in], fp32
+    accumulation -> [..., *out] in x's dtype. `moe_gemm.matmul_fp8` (the FP8 kernel on a GPU) where
+    the out dimensions flatten into whole blocks; else (gate and up each ending in a partial block, or
+    scales per element where a mesh cut a block) the same product on the dequantized operands."""
     k, out = x.shape[-1], w.weight.shape[:-1]
-    x_q, x_s = block_fp8.quantize_rows(x.reshape(-1, k))
-    if len(out) == 1 or out[-1] % block_fp8.BLOCK == 0:
+    x_q, x_s = quantize_rows(x.reshape(-1, k))
+    in_blocks = block_fp8.in_blocks(w.weight.shape[-2:], w.scale.shape[-2:]) and block_fp8.in_blocks((k,), x_s.shape[-1:])
+    if in_blocks and (len(out) == 1 or out[-1] % block_fp8.BLOCK == 0):
         weight, scale = w.weight.reshape(-1, k), w.scale.reshape(-1, w.scale.shape[-1])
         y = moe_gemm.matmul_fp8(x_q, x_s, weight, scale, out_dtype=x.dtype)
     else:
         y = jnp.dot(block_fp8.dequantize_rows(x_q, x_s), block_fp8.dequantize_blocks(w.weight, w.scale).reshape(-1, k).T,
                     precision=PRECISION)
     return y.reshape(*x.shape[:-1], *out).astype(x.dtype)
+
+
+def quantize_split_rows(x, axes):
+    """`block_fp8.quantize_rows` of rows split over mesh `axes` (inside `shard_map`): x [..., k] holds
+    columns [i k, (i + 1) k) of each row, i this device's index over `axes`. A 1 x 128 group that a
+    device boundary cuts takes its amax over all its pieces (an all-reduce max of each device's
+    partial amaxes, [..., groups]), so every column gets the scale and the code one device would give
+    it. -> (e4m3 [..., k], float32 scales per column [..., k])."""
+    k = x.shape[-1]
+    x = x.astype(jnp.float32)
+    group = (jax.lax.axis_index(axes) * k + jnp.arange(k)) // block_fp8.BLOCK
+    groups = block_fp8.blocks(jax.lax.axis_size(axes) * k)
+    amax = jnp.zeros(x.shape[:-1] + (groups,), jnp.float32).at[..., group].max(jnp.abs(x))
+    scales = block_fp8.scales_of(jax.lax.pmax(amax, axes))[..., group]
+    return block_fp8.encode(x, scales), scales
 
 
 def inverse_rms(x, eps):

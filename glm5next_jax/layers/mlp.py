@@ -1,5 +1,6 @@
 """Clamped SwiGLU MLP and the sigmoid-routed MoE with a shared expert."""
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels import block_fp8, moe_gemm
 
 from ..params import Fp8Weight, to_out_in
-from .common import PRECISION, linear
+from .common import PRECISION, fp8_linear, linear, quantize_split_rows
 
 
 def clamped_swiglu(gate_up, limit):
@@ -33,12 +34,22 @@ def _fp8_dense_mlp_sharded(p, x, config, layout):
     x_axes = ("batch",) + (None,) * (x.ndim - 2) + ("embed",)
 
     def local(gate_up, down, x):
-        y = dense_mlp({"gate_up": gate_up, "down": down}, x, config)
+        hidden = clamped_swiglu(linear(x, gate_up), config.swiglu_limit)
+        y = fp8_linear(hidden, down, _hidden_quantizer(down, split))
         return jax.lax.psum(y, split) if split else y
 
     run = layout.shard_map(local, in_axes=(Fp8Weight(gate_up_axes, gate_up_axes), Fp8Weight(down_axes, down_axes), x_axes),
                            out_axes=x_axes)
     return run(p["gate_up"], p["down"], x)
+
+
+def _hidden_quantizer(down: Fp8Weight, split):
+    """The quantizer of the rows that enter a down projection whose in dimension (the MLP's width) is
+    split over mesh axes `split` here: where the split cuts the weight's blocks (its scales per
+    element along in), the activations' 1 x 128 groups straddle devices too, and are taken whole."""
+    if split and not block_fp8.in_blocks(down.weight.shape[-1:], down.scale.shape[-1:]):
+        return functools.partial(quantize_split_rows, axes=split)
+    return block_fp8.quantize_rows
 
 
 def route(p, x, config):
@@ -86,11 +97,13 @@ def combine(rows, slot_of_choice, experts, weights, dtype, present=None):
     return out
 
 
-def routed_experts(p, tokens, weights, experts, config, implementation=None, interpret=False, first_expert=0):
+def routed_experts(p, tokens, weights, experts, config, implementation=None, interpret=False, first_expert=0,
+                   width_split=()):
     """The routed experts' sum for each token [N, D] (grouped GEMMs over the rows sorted by expert),
     over the experts held here: p's experts_gate_up [E_local, D, 2, I] and experts_down
     [E_local, I, D] (or their `Fp8Weight` forms) are experts first_expert .. first_expert + E_local - 1;
-    a token's other choices add nothing. weights, experts [N, k] from `route`."""
+    a token's other choices add nothing. weights, experts [N, k] from `route`. width_split: the mesh
+    axes that split the experts' width I here (inside `shard_map`)."""
     fp8 = isinstance(p["experts_down"], Fp8Weight)
     e_local = (p["experts_down"].weight if fp8 else p["experts_down"]).shape[0]
     k = config.num_experts_per_tok
@@ -98,7 +111,10 @@ def routed_experts(p, tokens, weights, experts, config, implementation=None, int
     local = jnp.where(here, experts - first_expert, e_local).reshape(-1)  # e_local: held elsewhere
     order = jnp.argsort(local, stable=True)
     group_sizes = jnp.bincount(local, length=e_local + 1)[:e_local].astype(jnp.int32)
-    gemms = (_fp8_gemms if fp8 else _bf16_gemms)(p, tokens, order.shape[0], implementation, interpret)
+    if fp8:
+        gemms = _fp8_gemms(p, tokens, order.shape[0], implementation, interpret, width_split)
+    else:
+        gemms = _bf16_gemms(p, tokens, order.shape[0], implementation, interpret)
     # Rows sorted by expert, each expert's starting a tile of the kernel's (one row: packed, for the
     # reference); padding slots read token 0 and their outputs are never gathered; rows of experts
     # held elsewhere sort last and get no slot.
@@ -134,16 +150,20 @@ def _bf16_gemms(p, tokens, rows, implementation, interpret):
     )
 
 
-def _fp8_gemms(p, tokens, rows, implementation, interpret):
+def _fp8_gemms(p, tokens, rows, implementation, interpret, width_split):
     """W8A8: tokens quantized once (1 x 128 groups) before their rows are gathered, the SwiGLU's
     output quantized again before the down GEMM. gate and up go as one GEMM where each is whole scale
-    blocks, else as two."""
+    blocks, else as two. Scales per element (a mesh cut the blocks of I) take the reference."""
     gate_up, down = p["experts_gate_up"], p["experts_down"]  # [E, 2, I, D], [E, D, I]
     e, _, i, d = gate_up.weight.shape
     if i % block_fp8.BLOCK == 0:
         gate_up = [Fp8Weight(gate_up.weight.reshape(e, 2 * i, d), gate_up.scale.reshape(e, -1, gate_up.scale.shape[-1]))]
     else:
         gate_up = [Fp8Weight(gate_up.weight[:, j], gate_up.scale[:, j]) for j in (0, 1)]
+    if implementation != "pallas" and not all(block_fp8.in_blocks(w.weight.shape[-2:], w.scale.shape[-2:])
+                                              for w in gate_up + [down]):
+        implementation = "reference"
+    quantize_hidden = _hidden_quantizer(down, width_split)
     implementation, gemm = moe_gemm.plan_fp8(implementation, [w.weight for w in gate_up] + [down.weight], rows=rows,
                                              interpret=interpret, out_dtype=tokens.dtype)
 
@@ -159,7 +179,7 @@ def _fp8_gemms(p, tokens, rows, implementation, interpret):
         return jnp.concatenate([run(rows_q, rows_s, w, tiles) for w in gate_up], axis=-1)
 
     def down_rows(hidden, tiles):
-        return run(*block_fp8.quantize_rows(hidden), down, tiles)
+        return run(*quantize_hidden(hidden), down, tiles)
 
     return _ExpertGemms(gemm.block_rows, gate_up_rows, down_rows)
 
@@ -183,7 +203,8 @@ def expert_parallel(p, tokens, config, implementation, interpret, layout):
         weights, experts = route({"router": router, "router_bias": router_bias}, tokens, config)
         first = jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0
         experts_here = {"experts_gate_up": gate_up, "experts_down": down}
-        out = routed_experts(experts_here, tokens, weights, experts, config, implementation, interpret, first)
+        out = routed_experts(experts_here, tokens, weights, experts, config, implementation, interpret, first,
+                             layout.mesh_axes("expert_mlp", weight_axes))
         if summed:
             out = jax.lax.psum(out, summed)
         if gathered:

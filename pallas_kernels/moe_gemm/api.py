@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.block_fp8 import BLOCK, FP8, blocks
+from pallas_kernels.block_fp8 import BLOCK, FP8, blocks, in_blocks
 from pallas_kernels.common import pick_implementation, sm_count
 from pallas_kernels.moe_gemm.grouped_matmul_fp8_mosaic import Fp8GemmConfig, grouped_matmul_fp8_kernel
 from pallas_kernels.moe_gemm.grouped_matmul_mosaic import GemmConfig, grouped_matmul_kernel
@@ -131,12 +131,14 @@ def _check_fp8(x, x_scales, weights, weight_scales, tile_experts, used_tiles):
         raise ValueError(f"grouped_matmul_fp8: x [M, K] and weights [G, N, K] expected, got {x.shape} and {weights.shape}")
     m, k = x.shape
     g, n, _ = weights.shape
-    if x_scales.shape != (m, blocks(k)):
-        raise ValueError(f"grouped_matmul_fp8: x_scales must be [M, ceil(K / 128)] = {(m, blocks(k))}, got {x_scales.shape}")
-    if weight_scales.shape != (g, blocks(n), blocks(k)):
+    if x_scales.ndim != 2 or x_scales.shape[0] != m or x_scales.shape[1] not in (blocks(k), k):
+        raise ValueError(f"grouped_matmul_fp8: x_scales must be [M, ceil(K / 128)] = {(m, blocks(k))} (or [M, K]),"
+                         f" got {x_scales.shape}")
+    if (weight_scales.ndim != 3 or weight_scales.shape[0] != g or weight_scales.shape[1] not in (blocks(n), n)
+            or weight_scales.shape[2] not in (blocks(k), k)):
         raise ValueError(
-            f"grouped_matmul_fp8: weight_scales must be [G, ceil(N / 128), ceil(K / 128)] = {(g, blocks(n), blocks(k))},"
-            f" got {weight_scales.shape}"
+            f"grouped_matmul_fp8: weight_scales must be [G, ceil(N / 128), ceil(K / 128)] = {(g, blocks(n), blocks(k))}"
+            f" (or per element on N or K), got {weight_scales.shape}"
         )
     for name, a in (("x", x), ("weights", weights)):
         if a.dtype != FP8:
@@ -144,8 +146,10 @@ def _check_fp8(x, x_scales, weights, weight_scales, tile_experts, used_tiles):
     _check(x, jnp.swapaxes(weights, 1, 2), tile_experts, used_tiles)
 
 
-def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig, out_dtype):
+def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig, out_dtype, x_scales=None, weight_scales=None):
     n, k = weights.shape[1:]
+    if x_scales is not None and not (in_blocks((k,), x_scales.shape[1:]) and in_blocks((n, k), weight_scales.shape[1:])):
+        return "its scales are per element on an axis (a mesh cut a block): the kernel takes one scale a block"
     if jnp.dtype(out_dtype) != jnp.bfloat16:
         return f"the kernel writes bf16, {jnp.dtype(out_dtype)} asked for"
     if config.block_rows not in (64, 128):
@@ -182,12 +186,14 @@ def grouped_matmul_fp8(
     (128 x 128 blocks), tile_experts [T] int32, used_tiles [] int32 -> [T * block_rows, N] in out_dtype.
 
     The kernel takes N and K in whole blocks of 128, block_rows == config.block_rows and writes bf16;
-    its rows of tiles past `used_tiles` are unwritten (zero from the reference). `interpret` as for
-    `grouped_matmul`.
+    its rows of tiles past `used_tiles` are unwritten (zero from the reference). The reference also
+    takes scales per element on K (x_scales [M, K], weight_scales [G, *, K]) or N (weight_scales
+    [G, N, *]), as a device holds them where a mesh cuts a block. `interpret` as for `grouped_matmul`.
     """
     _check_fp8(x, x_scales, weights, weight_scales, tile_experts, used_tiles)
     impl = pick_implementation(
-        implementation, _fp8_kernel_unsupported(weights, config, out_dtype), out_dtype, interpret=interpret
+        implementation, _fp8_kernel_unsupported(weights, config, out_dtype, x_scales, weight_scales), out_dtype,
+        interpret=interpret,
     )
     if impl == "reference":
         return grouped_matmul_fp8_reference(x, x_scales, weights, weight_scales, tile_experts, used_tiles, out_dtype)
@@ -207,8 +213,12 @@ def matmul_fp8(x, x_scales, weight, weight_scale, *, implementation=None, config
                out_dtype=jnp.bfloat16):
     """A dense block-scaled FP8 product: x [M, K] e4m3 with x_scales [M, ceil(K / 128)], weight [N, K]
     e4m3 with weight_scale [ceil(N / 128), ceil(K / 128)] -> [M, N] in out_dtype. The grouped GEMM over
-    one group, the rows padded to whole tiles (config None: `plan_fp8`'s, 64 rows up to 64, else 128)."""
+    one group, the rows padded to whole tiles (config None: `plan_fp8`'s, 64 rows up to 64, else 128).
+    Scales per element (see `grouped_matmul_fp8`) go to the reference unless the kernel is asked for."""
     m = x.shape[0]
+    if implementation is None and not (in_blocks(x.shape[1:], x_scales.shape[1:])
+                                       and in_blocks(weight.shape, weight_scale.shape)):
+        implementation = "reference"
     implementation, planned = plan_fp8(implementation, (weight[None],), rows=m, interpret=interpret, out_dtype=out_dtype)
     config = planned if config is None or implementation == "reference" else config
     block_rows = config.block_rows

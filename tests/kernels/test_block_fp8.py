@@ -89,3 +89,26 @@ def test_values_on_the_grid_come_back_exactly():
     got_q, got_scales = block_fp8.quantize_blocks(jnp.asarray(w))
     np.testing.assert_array_equal(np.asarray(got_scales), scales)
     np.testing.assert_array_equal(np.asarray(block_fp8.dequantize_blocks(got_q, got_scales)), w)
+
+
+@pytest.mark.parametrize("shape", [(3, 200, 300), (130, 64)])
+def test_scales_per_element_dequantize_as_their_blocks(shape):
+    """`expand_scales` on either or both axes: dequantize_blocks of the same codes gives the same values
+    (a per-element axis is kept as it is, expanding twice changes nothing); `in_blocks` tells the forms
+    apart."""
+    q, scales = block_fp8.quantize_blocks(spread_values(np.random.default_rng(7), shape))
+    want = np.asarray(block_fp8.dequantize_blocks(q, scales))
+    n, k = q.ndim - 2, q.ndim - 1
+    assert block_fp8.in_blocks(q.shape[-2:], scales.shape[-2:])
+    for axes in [(n,), (k,), (n, k)]:
+        per_element = block_fp8.expand_scales(scales, q.shape, axes)
+        assert all(per_element.shape[a] == q.shape[a] for a in axes)
+        assert not block_fp8.in_blocks(q.shape[-2:], per_element.shape[-2:])
+        np.testing.assert_array_equal(block_fp8.expand_scales(per_element, q.shape, axes), per_element)
+        np.testing.assert_array_equal(np.asarray(block_fp8.dequantize_blocks(q, per_element)), want)
+    rows_q, rows_s = block_fp8.quantize_rows(spread_values(np.random.default_rng(8), shape))
+    np.testing.assert_array_equal(
+        np.asarray(block_fp8.dequantize_rows(rows_q, block_fp8.expand_scales(rows_s, rows_q.shape, (k,)))),
+        np.asarray(block_fp8.dequantize_rows(rows_q, rows_s)),
+    )
+

@@ -107,8 +107,12 @@ def test_chunk_scan_ragged_lengths_in_one_batch():
     assert_scan_matches(args, s0, lengths=jnp.array([200, 1, 77], jnp.int32))
 
 
-@pytest.mark.parametrize("t, lengths", [(150, [150, 1, 70]), (1, [1, 1, 0]), (128, [128, 64, 65])])
-@pytest.mark.parametrize("h, d", [(2, 64), (1, 128)])
+@pytest.mark.parametrize(
+    "t, lengths, h, d",
+    [(150, [150, 1, 70], 2, 64), (1, [1, 1, 0], 1, 128), (128, [128, 64, 65], 1, 128)]
+    + [pytest.param(*case, marks=pytest.mark.slow)
+       for case in [(150, [150, 1, 70], 1, 128), (1, [1, 1, 0], 2, 64), (128, [128, 64, 65], 2, 64)]],
+)
 def test_intra_decay_against_a_float64_cumsum(t, lengths, h, d):
     """exp(G_last) per chunk, G the running sums of g that the intra kernel forms on the tensor cores
     (zero at or past each sequence's length): ragged lengths and tails, one token, an empty sequence."""

@@ -22,9 +22,15 @@ def random_inputs(key, b, t, h, d, *, gate="random", dtype=jnp.float32):
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
-@pytest.mark.parametrize("h", [1, 4])
-@pytest.mark.parametrize("with_state", [False, True])
+# The default run keeps one case of each length; the rest of the grid is marked slow.
+CHUNKED_DEFAULT = [(1, 1, False), (63, 4, True), (64, 1, True), (65, 4, False), (200, 4, True)]
+
+
+@pytest.mark.parametrize(
+    "t, h, with_state",
+    CHUNKED_DEFAULT + [pytest.param(t, h, state, marks=pytest.mark.slow) for t in [1, 63, 64, 65, 200] for h in [1, 4]
+                       for state in [False, True] if (t, h, state) not in CHUNKED_DEFAULT],
+)
 def test_chunked_equals_recurrent(t, h, with_state):
     key = jax.random.key(t * 10 + h)
     q, k, v, g, beta = random_inputs(key, 2, t, h, 16)

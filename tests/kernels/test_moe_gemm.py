@@ -280,6 +280,29 @@ def test_fp8_reference_matches_numpy(k, n):
     assert relative_error(got, numpy_products(x, np.swapaxes(w, 1, 2), sizes)) < TOLERANCE
 
 
+@pytest.mark.parametrize("per_element", [(1,), (2,), (1, 2)])  # N, K, both
+def test_fp8_reference_takes_scales_per_element(per_element, kernel_seed):
+    """Scales per element on N or K (as a device holds them where a mesh cuts a block; x's with the
+    weight's K) give the block scales' product exactly; the automatic choice takes the reference for
+    them, and the kernel, asked for, names why it cannot."""
+    sizes = [5, 0, 40]
+    (x_q, x_s, w_q, w_s), tiles, args = fp8_operands(jax.random.key(kernel_seed), sizes, 256, 384, 64)
+    x, xs, w, ws, tile_experts, used = args
+    ws_element = block_fp8.expand_scales(ws, w.shape, per_element)
+    xs_element = block_fp8.expand_scales(xs, x.shape, (1,)) if 2 in per_element else xs
+    want = moe_gemm.grouped_matmul_fp8_reference(*args)
+    got = moe_gemm.grouped_matmul_fp8(x, xs_element, w, ws_element, tile_experts, used, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert traced_kernels(lambda *a: moe_gemm.grouped_matmul_fp8(*a, interpret=True),
+                          x, xs_element, w, ws_element, tile_experts, used) == {}
+    with pytest.raises(ValueError, match="scales are per element on an axis"):
+        moe_gemm.grouped_matmul_fp8(x, xs_element, w, ws_element, tile_experts, used, implementation="pallas")
+    dense = moe_gemm.matmul_fp8(x_q[:20], block_fp8.expand_scales(x_s[:20], (20, 256), (1,)), w_q[0], ws_element[0],
+                                interpret=True)
+    np.testing.assert_array_equal(np.asarray(dense, np.float32), np.asarray(
+        moe_gemm.matmul_fp8(x_q[:20], x_s[:20], w_q[0], w_s[0], implementation="reference"), np.float32))
+
+
 class TestGroupedMatmulFp8(KernelCase):
     """Through `grouped_matmul_fp8`: 64-row tiles (the warpgroups split the columns) and 128-row
     tiles (they split the rows), empty and one-row experts, ragged tails, two K steps and two

@@ -21,11 +21,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from conftest import traced_kernels  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import glm5next_jax  # noqa: E402
 from glm5next_jax import inference  # noqa: E402
 from glm5next_jax.cache import cache_axes, init_cache  # noqa: E402
-from glm5next_jax.sharding import host_values, make_layout, shard_params  # noqa: E402
+from glm5next_jax.layers.common import quantize_split_rows  # noqa: E402
+from glm5next_jax.sharding import fp8_cut_axes, host_values, make_layout, make_mesh, shard_params  # noqa: E402
+from pallas_kernels import block_fp8  # noqa: E402
 
 LAYOUTS = ["tp:8", "tp-ep:8", "dp-ep:8", "3d:2x2x2"]
 FP8_LAYOUTS = ["tp-ep:8", "3d:2x2x2"]  # experts whole over devices; split every way at once
@@ -108,28 +111,65 @@ def equal_to_one_device():
 def fp8_equal_to_one_device():
     """The FP8 form (W8A8; fp32 elsewhere) on every layout against one device: each token's forward
     logits, and how its float8 weights are spread; the experts 1024 wide so that each layout cuts them
-    at 128-block boundaries, and the refusal of a layout that would not (the shipped widths')."""
+    at 128-block boundaries. Then the cuts inside blocks: the shipped widths (experts 32 wide) on tp:8;
+    the FP8 tiny checkpoint loaded straight onto tp:4 against its one-device load placed by
+    `shard_params`; and `quantize_split_rows` against `quantize_rows` over whole rows."""
     config, _ = model()
     config = config.replace(moe_intermediate_size=1024)
+    out = {spec: _fp8_against_one_device(config, spec) for spec in FP8_LAYOUTS}
+    narrow, _ = model()
+    out["tp:8, cut blocks"] = _fp8_against_one_device(narrow, "tp:8")
+
+    fp8_tiny = os.path.join(ROOT, "checkpoints", "glm5next-tiny-fp8")
+    tiny, one = glm5next_jax.load_checkpoint(fp8_tiny, "float32")
+    layout = make_layout("tp:4")
+    _, loaded = glm5next_jax.load_checkpoint(fp8_tiny, "float32", layout=layout)
+    placed = shard_params(one, tiny, layout)
+    ids = np.random.default_rng(0).integers(2, tiny.vocab_size, (2, 16)).astype(np.int32)
+    want = np.asarray(glm5next_jax.forward(one, tiny, ids))
+    got = np.asarray(glm5next_jax.forward(loaded, tiny, ids, layout=layout), np.float64)
+    down = loaded["layers"][-1]["mlp"]["experts_down"]
+    out["loaded onto tp:4, cut blocks"] = {
+        **_token_errors(got, want), "cut_weights": len(fp8_cut_axes(tiny, layout)),
+        "identical_to_placed": all(
+            a.shape == b.shape and a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(placed))
+        ),
+        "down_shapes": [list(down.weight.shape), list(down.scale.shape)],
+        "down_local": [list(down.weight.addressable_shards[0].data.shape), list(down.scale.addressable_shards[0].data.shape)],
+    }
+
+    split_rows = []
+    for devices, width in [(2, 128), (8, 32), (4, 400), (2, 200)]:
+        mesh = make_mesh(1, 1, devices, devices=jax.devices()[:devices])
+        x = jax.random.normal(jax.random.key(width), (5, width)) * jnp.exp(jax.random.normal(jax.random.key(1), (5, width)))
+        q, scales = jax.jit(block_fp8.quantize_rows)(x)
+        split = jax.jit(jax.shard_map(lambda v: quantize_split_rows(v, ("model",)), mesh=mesh, in_specs=P(None, "model"),
+                                      out_specs=(P(None, "model"), P(None, "model"))))
+        q_split, scales_split = split(x)
+        split_rows.append(bool(np.array_equal(np.asarray(q).view(np.uint8), np.asarray(q_split).view(np.uint8))
+                               and np.array_equal(block_fp8.expand_scales(scales, x.shape, (1,)), scales_split)))
+    out["split_rows_identical"] = split_rows
+    return out
+
+
+def _token_errors(got, want):
+    per_token = np.abs(got - want).max(-1) / np.abs(want).max()
+    return {"median_token": float(np.median(per_token)), "worst_token": float(per_token.max()),
+            "argmax_equal": float((got.argmax(-1) == want.argmax(-1)).mean())}
+
+
+def _fp8_against_one_device(config, spec):
     params = glm5next_jax.init_params(config, jax.random.key(0), "float32", fp8=True)
     ids = np.random.default_rng(0).integers(2, config.vocab_size, (BATCH, PROMPT)).astype(np.int32)
     want = np.asarray(glm5next_jax.forward(params, config, ids))
-    out = {}
-    for spec in FP8_LAYOUTS:
-        layout = make_layout(spec)
-        sharded = shard_params(params, config, layout)
-        down = sharded["layers"][0]["mlp"]["experts_down"]
-        got = np.asarray(glm5next_jax.forward(sharded, config, ids, layout=layout), np.float64)
-        per_token = np.abs(got - want).max(-1) / np.abs(want).max()
-        out[spec] = {"median_token": float(np.median(per_token)), "worst_token": float(per_token.max()),
-                     "argmax_equal": float((got.argmax(-1) == want.argmax(-1)).mean()),
-                     "weight_spec": str(down.weight.sharding.spec), "scale_spec": str(down.scale.sharding.spec)}
-    narrow, _ = model()
-    try:
-        shard_params(glm5next_jax.init_params(narrow, jax.random.key(0), "float32", fp8=True), narrow, make_layout("tp:8"))
-    except glm5next_jax.InputError as err:
-        out["refused"] = str(err)
-    return out
+    layout = make_layout(spec)
+    sharded = shard_params(params, config, layout)
+    down = sharded["layers"][0]["mlp"]["experts_down"]
+    got = np.asarray(glm5next_jax.forward(sharded, config, ids, layout=layout), np.float64)
+    return {**_token_errors(got, want), "weight_spec": str(down.weight.sharding.spec),
+            "scale_spec": str(down.scale.sharding.spec), "scale_shape": list(down.scale.shape),
+            "cut_weights": len(fp8_cut_axes(config, layout))}
 
 
 def collectives_of_the_decode_step():

@@ -79,6 +79,7 @@ def test_fp8_tree_has_the_converted_linears_in_torch_layout():
     assert fp8["layers"][moe]["mlp"]["router"] == plain["layers"][moe]["mlp"]["router"]  # not converted
 
 
+@pytest.mark.slow  # the quantizer is checked bit for bit against numpy in tests/model/test_convert_fp8.py
 def test_quantized_params_dequantize_to_within_e4m3_rounding():
     config = Config.from_hf("checkpoints/glm5next-tiny-kernels")
     params = init_params(config, jax.random.key(0), "float32")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import glm5next_jax
 from glm5next_jax import InputError
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=False, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=40, deadline=None, derandomize=False, suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")

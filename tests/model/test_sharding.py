@@ -81,16 +81,29 @@ def test_the_fp8_form_on_every_layout_equals_one_device():
     most tokens' logits are one device's bit for bit. Rows quantized again
     before a GEMM make W8A8 discontinuous: where summation order moves a value across an e4m3
     rounding boundary (or a group's amax by an ulp), a product moves by a step, and a few tokens by up
-    to 0.11 of max |logit| (one in a hundred changes its argmax). A layout that would cut a block is
-    refused by name."""
+    to 0.11 of max |logit| (one in a hundred changes its argmax).
+
+    A layout that cuts a weight's 128-blocks (experts 32 wide over 8 devices; the FP8 tiny checkpoint's
+    over 4) holds its scales per element along the cut, and quantizes the activation groups that
+    straddle devices whole (`quantize_split_rows`, bit for bit `quantize_rows`): its logits are one
+    device's as closely, and loading such a layout straight from the files gives the arrays that
+    placing the one-device load gives."""
     r = sharded_run("fp8_equal_to_one_device")
-    specs = {"tp-ep:8": "P('model', None, None)", "3d:2x2x2": "P('expert', None, 'model')"}
+    specs = {"tp-ep:8": "P('model', None, None)", "3d:2x2x2": "P('expert', None, 'model')",
+             "tp:8, cut blocks": "P(None, None, 'model')"}
     for layout, spec in specs.items():
         record(f"fp8 form on {layout}: worst token's logits vs one device", r[layout]["worst_token"])
         assert r[layout]["median_token"] < 1e-6 and r[layout]["argmax_equal"] >= 0.95, (layout, r[layout])
         assert r[layout]["weight_spec"] == r[layout]["scale_spec"] == spec, (layout, r[layout])
-    assert "layout tp cuts float8 weights inside their 128 x 128 blocks" in r["refused"]
-    assert "['experts_down']: dimension 2 (32, 'expert_mlp') into 8 parts of 4" in r["refused"], r["refused"]
+    assert r["tp-ep:8"]["cut_weights"] == r["3d:2x2x2"]["cut_weights"] == 0
+    cut = r["tp:8, cut blocks"]
+    assert cut["cut_weights"] == 8 and cut["scale_shape"] == [16, 1, 32], cut  # experts_down [16, 128, 32]: per element on in
+    loaded = r["loaded onto tp:4, cut blocks"]
+    record("fp8 tiny checkpoint loaded onto tp:4 (cut blocks): worst token vs one device", loaded["worst_token"])
+    assert loaded["identical_to_placed"] and loaded["cut_weights"] == 14, loaded
+    assert loaded["down_shapes"] == [[8, 256, 128], [8, 2, 128]] and loaded["down_local"] == [[8, 256, 32], [8, 2, 32]], loaded
+    assert loaded["median_token"] < 1e-6 and loaded["argmax_equal"] >= 0.95, loaded
+    assert r["split_rows_identical"] == [True] * 4
 
 
 def test_the_decode_step_gathers_no_expert_weights():

@@ -75,7 +75,7 @@ def saving_process(path, leaves):
 
 
 def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
-    """Saves over a checkpoint killed (SIGKILL) at 20 moments spread over a save's duration: after
+    """Saves over a checkpoint killed (SIGKILL) at 10 moments spread over a save's duration: after
     each, the checkpoint restores bit for bit to what was there before or to what was being saved,
     never neither; no partial folder is read."""
     config = glm5next_jax.Config.from_hf(SHIPPED)
@@ -88,7 +88,7 @@ def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
     duration = float(full.stdout.readline().split()[1])
     assert full.wait() == 0
     held, outcomes = 0, collections.Counter()
-    for i, fraction in enumerate(np.linspace(0.0, 1.5, 20)):
+    for i, fraction in enumerate(np.linspace(0.0, 1.5, 10)):
         seed = 1 - held
         proc = saving_process(path, leaves[seed])
         time.sleep(fraction * duration)
