@@ -156,6 +156,8 @@ def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig, out_dtype, x_scales=
         return f"block_rows must be 64 or 128, got {config.block_rows}"
     if k % BLOCK or n % BLOCK:
         return f"N = {n} and K = {k} must be multiples of {BLOCK} (whole scale blocks)"
+    if config.cluster not in (1, 2) or n // BLOCK % config.cluster:
+        return f"cluster must be 1 or 2 and divide N / {BLOCK} = {n // BLOCK}, got {config.cluster}"
     return None
 
 
