@@ -154,10 +154,12 @@ def _fp8_kernel_unsupported(weights, config: Fp8GemmConfig, out_dtype, x_scales=
         return f"the kernel writes bf16, {jnp.dtype(out_dtype)} asked for"
     if config.block_rows not in (64, 128):
         return f"block_rows must be 64 or 128, got {config.block_rows}"
-    if k % BLOCK or n % BLOCK:
-        return f"N = {n} and K = {k} must be multiples of {BLOCK} (whole scale blocks)"
-    if config.cluster not in (1, 2) or n // BLOCK % config.cluster:
-        return f"cluster must be 1 or 2 and divide N / {BLOCK} = {n // BLOCK}, got {config.cluster}"
+    if config.block_cols not in (BLOCK, 2 * BLOCK):
+        return f"block_cols must be {BLOCK} or {2 * BLOCK}, got {config.block_cols}"
+    if k % BLOCK or n % config.block_cols:
+        return f"N = {n} must be a multiple of block_cols = {config.block_cols} and K = {k} of {BLOCK} (whole scale blocks)"
+    if config.cluster not in (1, 2) or n // config.block_cols % config.cluster:
+        return f"cluster must be 1 or 2 and divide N / block_cols = {n // config.block_cols}, got {config.cluster}"
     return None
 
 

@@ -8,9 +8,10 @@ accumulator, which is then scaled by its rows' scales times its weight block's s
 the running sum in float32 registers: Hopper's FP8 wgmma accumulates with reduced precision, so no
 product runs longer than one scale block (DeepGEMM's scheme).
 
-A CTA computes a [block_rows, 128] output tile, one weight-scale block wide; its two compute
-warpgroups split the rows (128-row tiles) or the columns (64-row tiles), each holding a 64 x 128 or
-64 x 64 running sum beside the fresh product. A third warpgroup feeds them by TMA. The CTAs walk
+A CTA computes a [block_rows, block_cols] output tile, one or two weight-scale blocks wide; its two
+compute warpgroups split the rows (128-row tiles) or the columns (64-row tiles), each holding its
+running sum a scale block at a time beside the fresh product of one scale block (at most 64 x 128).
+A third warpgroup feeds them by TMA. The CTAs walk
 their share of the (tile, column block) items column blocks fastest, as the bf16 kernel does. In
 clusters of two, the CTAs of a cluster take neighbouring column blocks of one tile and its rows
 come to both by one TMA multicast: a quarter less traffic from L2 a step.
@@ -34,22 +35,25 @@ _OPERAND = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))  #
 
 @dataclasses.dataclass(frozen=True)
 class Fp8GemmConfig:
-    """`block_rows` rows per tile (64 or 128); `stages` K slices in flight; `cluster` CTAs (1 or 2)
-    sharing each tile's rows (N / 128 must then be a multiple of 2). Columns go 128 a CTA and K 128 a
-    step: one scale block each."""
+    """`block_rows` rows per tile (64 or 128); `block_cols` columns a CTA (128 or 256: one or two
+    scale blocks); `stages` K slices in flight; `cluster` CTAs (1 or 2) sharing each tile's rows
+    (N / block_cols must then be even). K goes 128 a step: one scale block."""
 
     block_rows: int = 128
+    block_cols: int = BLOCK
     stages: int = 4
     cluster: int = 1
 
 
 def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, n_tiles):
-    bm, bn = config.block_rows, BLOCK
+    bm, bn = config.block_rows, config.block_cols
     k, n = x_ref.shape[1], w_ref.shape[1]
     col_blocks = n // bn
     shared = ("cluster",) if config.cluster > 1 else ()  # the rows' copies are multicast to the cluster
     split_rows = bm == 2 * 64  # else the warpgroups split the columns of a 64-row tile
     wg_m, wg_n = (64, bn) if split_rows else (bm, bn // 2)
+    parts = max(wg_n // BLOCK, 1)  # a warpgroup's columns in scale blocks, each its own product
+    part_n = wg_n // parts
     out_swizzle = plgpu.find_swizzle(wg_n * 16)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
 
@@ -98,32 +102,39 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
                 cols = pl.ds(col_block * bn, bn)
 
                 def context(run_pipeline):
-                    acc = run_pipeline(plgpu.layout_cast(jnp.zeros((wg_m, wg_n), jnp.float32), _WGMMA))
+                    zeros = plgpu.layout_cast(jnp.zeros((wg_m, part_n), jnp.float32), _WGMMA)
+                    accs = run_pipeline((zeros,) * parts)
                     with jax.named_scope("store"):
                         # The previous tile's store from this buffer must be done reading it.
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = acc.astype(out_smem.dtype)
+                        for h, acc in enumerate(accs):
+                            out_smem.at[wg, :, pl.ds(h * part_n, part_n)][...] = acc.astype(out_smem.dtype)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
                             out_smem.at[wg],
                             o_ref.at[pl.ds(tile * bm + wg_rows.start, wg_m), pl.ds(col_block * bn + wg_cols.start, wg_n)],
                         )
 
-                def multiply(indices, x_smem, w_smem, x_scales_smem, acc):
+                def multiply(indices, x_smem, w_smem, x_scales_smem, accs):
                     (kk,) = indices
-                    with jax.named_scope("multiply"):
-                        w_scale = w_scales_ref[expert, col_block, kk]
+                    row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False)
+                    summed = []
+                    for h, acc in enumerate(accs):
+                        part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
+                        with jax.named_scope("multiply"):
+                            w_scale = w_scales_ref[expert, (col_block * bn + part_cols.start) // BLOCK, kk]
 
-                        def product(part_ref):
-                            plgpu.wgmma(part_ref, x_smem.at[wg_rows], w_smem.at[wg_cols].transpose((1, 0)))
-                            return part_ref[...]
+                            def product(part_ref, part_cols=part_cols):
+                                plgpu.wgmma(part_ref, x_smem.at[wg_rows], w_smem.at[part_cols].transpose((1, 0)))
+                                return part_ref[...]
 
-                        part = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
-                    with jax.named_scope("scale"):
-                        row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False) * w_scale
-                        # The read (generic proxy) ordered before the slot's refill by TMA (async proxy).
-                        plgpu.commit_smem()
-                        return acc + part * lax.broadcast_in_dim(row_scales, part.shape, [0])
+                            part = pl.run_scoped(product, plgpu.ACC((wg_m, part_n), jnp.float32))
+                        with jax.named_scope("scale"):
+                            scales = lax.broadcast_in_dim(row_scales * w_scale, part.shape, [0])
+                            summed.append(acc + part * scales)
+                    # The reads (generic proxy) ordered before the slot's refill by TMA (async proxy).
+                    plgpu.commit_smem()
+                    return tuple(summed)
 
                 pipeline(multiply, context)(
                     x_ref.at[rows, :], w_ref.at[expert].at[cols, :], x_scales_ref.at[:, rows], allocations=allocations

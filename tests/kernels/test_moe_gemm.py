@@ -313,6 +313,9 @@ class TestGroupedMatmulFp8(KernelCase):
         "64-row tiles, empty and one-row experts": dict(sizes=(100, 0, 1, 64, 135), k=256, n=256, block_rows=64, stages=2),
         "128-row tiles, more items than CTAs": dict(sizes=(40, 90, 7, 0, 128, 300), k=128, n=384, block_rows=128, stages=3),
         "clusters of two sharing rows": dict(sizes=(70, 0, 200, 1), k=384, n=512, block_rows=128, stages=2, cluster=2),
+        "256-column tiles, 128 rows": dict(sizes=(130, 3, 0, 64), k=256, n=512, block_rows=128, stages=2, block_cols=256),
+        "256-column tiles, 64 rows, clusters": dict(sizes=(65, 1, 0), k=128, n=512, block_rows=64, stages=3,
+                                                    block_cols=256, cluster=2),
     }
     kernels = {"moe_grouped_matmul_fp8": 1}
     tolerance = TOLERANCE
@@ -321,11 +324,14 @@ class TestGroupedMatmulFp8(KernelCase):
         "decode's down": (dict(rows=512, block_rows=64, k=2048, n=4096), ["mosaic_gpu_v2"]),
         "prefill's gate_up in clusters of two": (dict(rows=65536, block_rows=128, k=4096, n=4096, cluster=2),
                                                  ["mosaic_gpu_v2"]),
+        "prefill's down in 256-column tiles": (dict(rows=65536, block_rows=128, k=2048, n=4096, block_cols=256,
+                                                    stages=3), ["mosaic_gpu_v2"]),
     }
 
-    def inputs(self, key, sizes, k, n, block_rows, stages, cluster=1):
+    def inputs(self, key, sizes, k, n, block_rows, stages, cluster=1, block_cols=128):
         _, _, args = fp8_operands(key, list(sizes), k, n, block_rows)
-        return args, dict(config=moe_gemm.Fp8GemmConfig(block_rows=block_rows, stages=stages, cluster=cluster))
+        config = moe_gemm.Fp8GemmConfig(block_rows=block_rows, block_cols=block_cols, stages=stages, cluster=cluster)
+        return args, dict(config=config)
 
     def kernel(self, *args, interpret=True, config=None):
         if interpret:  # the race detector checks the pipeline's slots
@@ -343,12 +349,13 @@ class TestGroupedMatmulFp8(KernelCase):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert relative_error(got[:used], want[:used]) < TOLERANCE
 
-    def lowering_args(self, rows, block_rows, k, n, cluster=1):
+    def lowering_args(self, rows, block_rows, k, n, cluster=1, block_cols=128, stages=4):
         tiles, sds, fp8 = moe_gemm.max_tiles(rows, 288, block_rows), jax.ShapeDtypeStruct, jnp.float8_e4m3fn
         m = tiles * block_rows
         args = (sds((m, k), fp8), sds((m, k // 128), jnp.float32), sds((288, n, k), fp8),
                 sds((288, n // 128, k // 128), jnp.float32), sds((tiles,), jnp.int32), sds((), jnp.int32))
-        return args, dict(config=moe_gemm.Fp8GemmConfig(block_rows=block_rows, cluster=cluster))
+        config = moe_gemm.Fp8GemmConfig(block_rows=block_rows, block_cols=block_cols, stages=stages, cluster=cluster)
+        return args, dict(config=config)
 
 
 def test_fp8_bad_arguments_are_named():
