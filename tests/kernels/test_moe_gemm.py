@@ -369,7 +369,7 @@ def test_fp8_bad_arguments_are_named():
         moe_gemm.grouped_matmul_fp8(x, x_s, w, w_s[:, :, :1], tile_experts, used)
     with pytest.raises(ValueError, match="x must be float8_e4m3fn"):
         moe_gemm.grouped_matmul_fp8(x.astype(jnp.bfloat16), x_s, w, w_s, tile_experts, used)
-    with pytest.raises(ValueError, match="N = 200 and K = 256 must be multiples of 128"):
+    with pytest.raises(ValueError, match="N = 200 must be a multiple of block_cols = 128 and K = 256 of 128"):
         moe_gemm.grouped_matmul_fp8(x, x_s, jnp.zeros((2, 200, 256), w.dtype), jnp.ones((2, 2, 2)), tile_experts, used,
                                     implementation="pallas")
     with pytest.raises(ValueError, match="T \\* block_rows"):
@@ -378,7 +378,7 @@ def test_fp8_bad_arguments_are_named():
 
 def test_fp8_plan_picks_tiles_by_rows_per_expert_and_items_per_sm():
     w = (jax.ShapeDtypeStruct((288, 4096, 4096), jnp.float8_e4m3fn),)
-    assert moe_gemm.plan_fp8("pallas", w, rows=65536) == ("pallas", moe_gemm.Fp8GemmConfig(block_rows=128))
+    assert moe_gemm.plan_fp8("pallas", w, rows=65536) == ("pallas", moe_gemm.Fp8GemmConfig(block_rows=128, cluster=2))
     assert moe_gemm.plan_fp8("pallas", w, rows=512) == ("pallas", moe_gemm.Fp8GemmConfig(block_rows=64))
     dense = lambda n: (jax.ShapeDtypeStruct((1, n, 4096), jnp.float8_e4m3fn),)  # noqa: E731
     assert moe_gemm.plan_fp8("pallas", dense(4096), rows=8192)[1].block_rows == 128  # 64 tiles x 32 columns
