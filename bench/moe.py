@@ -7,7 +7,8 @@ router) with the kernel and with the reference. Then the same GEMMs with block-s
 (W8A8: weights e4m3 in 128 x 128 blocks, rows in 1 x 128 groups, as the release runs them).
 
     python -m bench.moe [--tokens 8,64,1024,8192] [--skip gemm,layer,fp8] [--no-peers] [--configs 128x128x64x4]
-        [--fp8-tokens 64,8192] [--fp8-stages 3,4] [--fp8-clusters 2] [--fp8-cols 256] [--results bench/results.jsonl]
+        [--fp8-tokens 64,8192] [--fp8-stages 3,4] [--fp8-clusters 1,2] [--fp8-cols 256] [--fp8-no-overlap]
+        [--results bench/results.jsonl]
 
 Times are medians of 20 jitted calls dispatched back to back (`common.dispatched_ms`), per call; ours
 is the kernel alone on rows already in the tiled layout (the MoE layer gathers its rows into either
@@ -203,7 +204,7 @@ def fp8_sampled_error(out_rows, x_q, x_s, w, w_s, sizes, rng):
     return worst
 
 
-def bench_fp8_gemms(token_counts, stages, clusters, cols, skip_peers, results):
+def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, skip_peers, results):
     log("\n| tokens | FP8 GEMM | implementation | ms | TFLOP/s | x roofline | error |")
     log("| --- | --- | --- | --- | --- | --- | --- |")
     key = jax.random.key(2)
@@ -221,19 +222,24 @@ def bench_fp8_gemms(token_counts, stages, clusters, cols, skip_peers, results):
             roof = max(flops / FP8_MATMUL, data / HBM) * 1e3
             implementation, default = moe_gemm.plan_fp8(None, (w,), rows=rows)
             runs = {}
-            variants = {(default.block_cols, default.stages, default.cluster)}
-            variants |= {(default.block_cols, s, default.cluster) for s in stages}
-            variants |= {(default.block_cols, default.stages, c) for c in clusters}
-            variants |= {(b, min(default.stages, 3), c) for b in cols for c in {default.cluster, *clusters}}
-            for b, s, c in sorted(v for v in variants if n % (v[0] * v[2]) == 0):
-                config = moe_gemm.Fp8GemmConfig(block_rows=default.block_rows, block_cols=b, stages=s, cluster=c)
+            variants = {(default.block_cols, default.stages, default.cluster, True)}
+            variants |= {(default.block_cols, s, default.cluster, True) for s in stages}
+            variants |= {(default.block_cols, default.stages, c, True) for c in clusters}
+            variants |= {(b, min(default.stages, 3), c, True) for b in cols for c in {default.cluster, *clusters}}
+            if no_overlap:
+                variants |= {(default.block_cols, default.stages, c, False) for c in {default.cluster, *clusters}}
+            for b, s, c, o in sorted(v for v in variants if n % (v[0] * v[2]) == 0):
+                config = moe_gemm.Fp8GemmConfig(
+                    block_rows=default.block_rows, block_cols=b, stages=s, cluster=c, overlap_items=o
+                )
                 tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, config.block_rows)
                 m = tiles.tile_experts.shape[0] * config.block_rows
                 x_tiled = jnp.zeros((m, k), x_q.dtype).at[tiles.slots].set(x_q)
                 s_tiled = jnp.ones((m, k // 128), jnp.float32).at[tiles.slots].set(x_s)
                 ours = jax.jit(functools.partial(moe_gemm.grouped_matmul_fp8, implementation=implementation, config=config))
                 label = "ours" if config == default else "ours, config"
-                runs[f"{label} ({implementation} {config.block_rows}x{b}x{s}, cluster {c})"] = (
+                overlap = "" if o else ", items not overlapped"
+                runs[f"{label} ({implementation} {config.block_rows}x{b}x{s}, cluster {c}{overlap})"] = (
                     functools.partial(ours, x_tiled, s_tiled, w, w_s, tiles.tile_experts, tiles.used_tiles),
                     lambda out, slots=tiles.slots: out[slots],
                 )
@@ -297,6 +303,8 @@ def main():
     parser.add_argument("--fp8-stages", default="", help="more pipeline depths of the FP8 kernel, comma-separated")
     parser.add_argument("--fp8-clusters", default="", help="more cluster sizes of the FP8 kernel, comma-separated")
     parser.add_argument("--fp8-cols", default="", help="more column widths of the FP8 kernel's tiles (3 stages)")
+    parser.add_argument("--fp8-no-overlap", action="store_true",
+                        help="also the FP8 kernel with each item filling and draining its own pipeline")
     parser.add_argument("--no-peers", action="store_true", help="time ours alone")
     parser.add_argument(
         "--configs", default="", help="more kernel configs, <block_rows>x<block_cols>x<block_k>x<stages>, e.g. 128x128x64x4"
@@ -314,7 +322,8 @@ def main():
         stages = [int(v) for v in args.fp8_stages.split(",") if v]
         clusters = [int(v) for v in args.fp8_clusters.split(",") if v]
         cols = [int(v) for v in args.fp8_cols.split(",") if v]
-        bench_fp8_gemms([int(t) for t in args.fp8_tokens.split(",")], stages, clusters, cols, args.no_peers, results)
+        bench_fp8_gemms([int(t) for t in args.fp8_tokens.split(",")], stages, clusters, cols, args.fp8_no_overlap, args.no_peers,
+                        results)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ A CTA computes a [block_rows, block_cols] output tile, one or two weight-scale b
 compute warpgroups split the rows (128-row tiles) or the columns (64-row tiles), each holding its
 running sum a scale block at a time beside the fresh product of one scale block (at most 64 x 128).
 A third warpgroup feeds them by TMA. The CTAs walk
-their share of the (tile, column block) items column blocks fastest, as the bf16 kernel does. In
-clusters of two, the CTAs of a cluster take neighbouring column blocks of one tile and its rows
-come to both by one TMA multicast: a quarter less traffic from L2 a step.
+their share of the (tile, column block) items column blocks fastest, as the bf16 kernel does; with
+`overlap_items` the feeding warpgroup runs on into the next item's first K slices while the compute
+warpgroups finish and store the current one (a pipeline of pipelines: no fill and drain between
+items). In clusters of two, the CTAs of a cluster take neighbouring column blocks of one tile and its
+rows come to both by one TMA multicast: a quarter less traffic from L2 a step.
 """
 
 import dataclasses
@@ -37,18 +39,23 @@ _OPERAND = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))  #
 class Fp8GemmConfig:
     """`block_rows` rows per tile (64 or 128); `block_cols` columns a CTA (128 or 256: one or two
     scale blocks); `stages` K slices in flight; `cluster` CTAs (1 or 2) sharing each tile's rows
-    (N / block_cols must then be even). K goes 128 a step: one scale block."""
+    (N / block_cols must then be even); `overlap_items`: loads run on from one item into the next
+    where K / 128 is a multiple of `stages` (or at most `stages`), else each item fills and drains
+    its own pipeline. K goes 128 a step: one scale block."""
 
     block_rows: int = 128
     block_cols: int = BLOCK
     stages: int = 4
     cluster: int = 1
+    overlap_items: bool = True
 
 
-def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, n_tiles):
+def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas):
     bm, bn = config.block_rows, config.block_cols
     k, n = x_ref.shape[1], w_ref.shape[1]
-    col_blocks = n // bn
+    col_groups = n // bn // config.cluster  # items a tile: a column block for each CTA of a cluster
+    steps = k // BLOCK
+    overlap = config.overlap_items and steps % min(config.stages, steps) == 0
     shared = ("cluster",) if config.cluster > 1 else ()  # the rows' copies are multicast to the cluster
     split_rows = bm == 2 * 64  # else the warpgroups split the columns of a 64-row tile
     wg_m, wg_n = (64, bn) if split_rows else (bm, bn // 2)
@@ -57,10 +64,10 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
     out_swizzle = plgpu.find_swizzle(wg_n * 16)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
 
-    def pipeline(body, context):
+    def pipeline(body, context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k // BLOCK,),
+            grid=(steps,),
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((bm, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM,
@@ -72,6 +79,7 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
             num_compute_wgs=2,
             max_concurrent_steps=config.stages,
             compute_context=context,
+            pipeline_state=state,
         )
 
     def ignore(*_, **__):
@@ -87,58 +95,70 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
         wg = lax.axis_index("wg")
         wg_rows = pl.ds(wg * 64, 64) if split_rows else pl.ds(0, bm)
         wg_cols = pl.ds(0, bn) if split_rows else pl.ds(wg * wg_n, wg_n)
-        used_tiles = used_ref[0]
+        # This CTA's items: sm, sm + ctas, ... below the used tiles' count.
+        sm = lax.axis_index("sm")
+        items = used_ref[0] * col_groups
+        mine = jnp.maximum(items - sm + ctas - 1, 0) // ctas
 
-        @plgpu.nd_loop((n_tiles * col_blocks // config.cluster,), collective_axes="sm")
-        def tile_loop(info):
-            (index,) = info.index
-            tile, col_group = index // (col_blocks // config.cluster), index % (col_blocks // config.cluster)
+        def item(index, state):
+            tile, col_group = index // col_groups, index % col_groups
             col_block = col_group * config.cluster + lax.axis_index("cluster")
+            expert = tile_experts_ref[tile]
+            rows = pl.ds(tile * bm, bm)
+            cols = pl.ds(col_block * bn, bn)
 
-            @pl.when(tile < used_tiles)
-            def _():
-                expert = tile_experts_ref[tile]
-                rows = pl.ds(tile * bm, bm)
-                cols = pl.ds(col_block * bn, bn)
-
-                def context(run_pipeline):
-                    zeros = plgpu.layout_cast(jnp.zeros((wg_m, part_n), jnp.float32), _WGMMA)
-                    accs = run_pipeline((zeros,) * parts)
-                    with jax.named_scope("store"):
-                        # The previous tile's store from this buffer must be done reading it.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for h, acc in enumerate(accs):
-                            out_smem.at[wg, :, pl.ds(h * part_n, part_n)][...] = acc.astype(out_smem.dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg],
-                            o_ref.at[pl.ds(tile * bm + wg_rows.start, wg_m), pl.ds(col_block * bn + wg_cols.start, wg_n)],
-                        )
-
-                def multiply(indices, x_smem, w_smem, x_scales_smem, accs):
-                    (kk,) = indices
-                    row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False)
-                    summed = []
+            def context(run_pipeline):
+                zeros = plgpu.layout_cast(jnp.zeros((wg_m, part_n), jnp.float32), _WGMMA)
+                accs = run_pipeline((zeros,) * parts)
+                with jax.named_scope("store"):
+                    # The previous tile's store from this buffer must be done reading it.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for h, acc in enumerate(accs):
-                        part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
-                        with jax.named_scope("multiply"):
-                            w_scale = w_scales_ref[expert, (col_block * bn + part_cols.start) // BLOCK, kk]
-
-                            def product(part_ref, part_cols=part_cols):
-                                plgpu.wgmma(part_ref, x_smem.at[wg_rows], w_smem.at[part_cols].transpose((1, 0)))
-                                return part_ref[...]
-
-                            part = pl.run_scoped(product, plgpu.ACC((wg_m, part_n), jnp.float32))
-                        with jax.named_scope("scale"):
-                            scales = lax.broadcast_in_dim(row_scales * w_scale, part.shape, [0])
-                            summed.append(acc + part * scales)
-                    # The reads (generic proxy) ordered before the slot's refill by TMA (async proxy).
+                        out_smem.at[wg, :, pl.ds(h * part_n, part_n)][...] = acc.astype(out_smem.dtype)
                     plgpu.commit_smem()
-                    return tuple(summed)
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[wg],
+                        o_ref.at[pl.ds(tile * bm + wg_rows.start, wg_m), pl.ds(col_block * bn + wg_cols.start, wg_n)],
+                    )
 
-                pipeline(multiply, context)(
-                    x_ref.at[rows, :], w_ref.at[expert].at[cols, :], x_scales_ref.at[:, rows], allocations=allocations
-                )
+            def multiply(indices, x_smem, w_smem, x_scales_smem, accs):
+                (kk,) = indices
+                row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False)
+                summed = []
+                for h, acc in enumerate(accs):
+                    part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
+                    with jax.named_scope("multiply"):
+                        w_scale = w_scales_ref[expert, (col_block * bn + part_cols.start) // BLOCK, kk]
+
+                        def product(part_ref, part_cols=part_cols):
+                            plgpu.wgmma(part_ref, x_smem.at[wg_rows], w_smem.at[part_cols].transpose((1, 0)))
+                            return part_ref[...]
+
+                        part = pl.run_scoped(product, plgpu.ACC((wg_m, part_n), jnp.float32))
+                    with jax.named_scope("scale"):
+                        scales = lax.broadcast_in_dim(row_scales * w_scale, part.shape, [0])
+                        summed.append(acc + part * scales)
+                # The reads (generic proxy) ordered before the slot's refill by TMA (async proxy).
+                plgpu.commit_smem()
+                return tuple(summed)
+
+            pipeline(multiply, context, state)(
+                x_ref.at[rows, :], w_ref.at[expert].at[cols, :], x_scales_ref.at[:, rows], allocations=allocations
+            )
+
+        if not overlap:
+            pl.loop(0, mine)(lambda i: item(sm + i * ctas, None))
+            return
+
+        # One item alone needs both the prologue and the final drain: a pipeline by itself.
+        pl.when(mine == 1)(lambda: item(sm, None))
+
+        @pl.when(mine > 1)
+        def _():
+            @pl.loop(0, mine)
+            def _(i):
+                state = jnp.where(i == 0, plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STEADY)
+                item(sm + i * ctas, jnp.where(i == mine - 1, plgpu.PipelinePipeline.STOP, state))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -147,9 +167,8 @@ def grouped_matmul_fp8_kernel(x, x_scales_t, weights, weight_scales, tile_expert
     """x [T * block_rows, K] fp8, x_scales_t [K / 128, T * block_rows] fp32 (scales K-block major: a
     step's row scales are one TMA row), weights [G, N, K] fp8, weight_scales [G, N / 128, K / 128]
     fp32 -> [T * block_rows, N] bf16."""
-    n_tiles = tile_experts.shape[0]
     kernel = plgpu.kernel(
-        functools.partial(_kernel, config=config, n_tiles=n_tiles),
+        functools.partial(_kernel, config=config, ctas=sms // config.cluster),
         out_type=jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.bfloat16),
         grid=(sms // config.cluster,),
         grid_names=("sm",),

@@ -306,8 +306,9 @@ def test_fp8_reference_takes_scales_per_element(per_element, kernel_seed):
 class TestGroupedMatmulFp8(KernelCase):
     """Through `grouped_matmul_fp8`: 64-row tiles (the warpgroups split the columns) and 128-row
     tiles (they split the rows), empty and one-row experts, ragged tails, two K steps and two
-    column blocks, one K step under three stages, more items than CTAs, a zero weight block and a
-    zero row; block scales spread over 2^12."""
+    column blocks, one K step under three stages, more items than CTAs, a CTA with a single item,
+    items whose loads run on into the next and items that each fill and drain their own pipeline, a
+    zero weight block and a zero row; block scales spread over 2^12."""
 
     cases = {
         "64-row tiles, empty and one-row experts": dict(sizes=(100, 0, 1, 64, 135), k=256, n=256, block_rows=64, stages=2),
@@ -316,6 +317,9 @@ class TestGroupedMatmulFp8(KernelCase):
         "256-column tiles, 128 rows": dict(sizes=(130, 3, 0, 64), k=256, n=512, block_rows=128, stages=2, block_cols=256),
         "256-column tiles, 64 rows, clusters": dict(sizes=(65, 1, 0), k=128, n=512, block_rows=64, stages=3,
                                                     block_cols=256, cluster=2),
+        "loads running on into the next item": dict(sizes=(130, 5, 64), k=512, n=256, block_rows=64, stages=2),
+        "a single item a CTA": dict(sizes=(0, 50), k=512, n=256, block_rows=128, stages=2),
+        "each item its own pipeline": dict(sizes=(100, 30), k=512, n=256, block_rows=64, stages=2, overlap=False),
     }
     kernels = {"moe_grouped_matmul_fp8": 1}
     tolerance = TOLERANCE
@@ -328,9 +332,10 @@ class TestGroupedMatmulFp8(KernelCase):
                                                     stages=3), ["mosaic_gpu_v2"]),
     }
 
-    def inputs(self, key, sizes, k, n, block_rows, stages, cluster=1, block_cols=128):
+    def inputs(self, key, sizes, k, n, block_rows, stages, cluster=1, block_cols=128, overlap=True):
         _, _, args = fp8_operands(key, list(sizes), k, n, block_rows)
-        config = moe_gemm.Fp8GemmConfig(block_rows=block_rows, block_cols=block_cols, stages=stages, cluster=cluster)
+        config = moe_gemm.Fp8GemmConfig(block_rows=block_rows, block_cols=block_cols, stages=stages, cluster=cluster,
+                                        overlap_items=overlap)
         return args, dict(config=config)
 
     def kernel(self, *args, interpret=True, config=None):
