@@ -383,7 +383,7 @@ def test_fp8_bad_arguments_are_named():
 
 def test_fp8_plan_picks_tiles_by_rows_per_expert_and_items_per_sm():
     w = (jax.ShapeDtypeStruct((288, 4096, 4096), jnp.float8_e4m3fn),)
-    assert moe_gemm.plan_fp8("pallas", w, rows=65536) == ("pallas", moe_gemm.Fp8GemmConfig(block_rows=128, cluster=2))
+    assert moe_gemm.plan_fp8("pallas", w, rows=65536) == ("pallas", moe_gemm.Fp8GemmConfig(block_rows=128))
     assert moe_gemm.plan_fp8("pallas", w, rows=512) == ("pallas", moe_gemm.Fp8GemmConfig(block_rows=64))
     dense = lambda n: (jax.ShapeDtypeStruct((1, n, 4096), jnp.float8_e4m3fn),)  # noqa: E731
     assert moe_gemm.plan_fp8("pallas", dense(4096), rows=8192)[1].block_rows == 128  # 64 tiles x 32 columns
