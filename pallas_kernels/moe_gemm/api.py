@@ -8,8 +8,13 @@ kernel is used.
 
 Dispatch (`implementation`, `interpret`): as `pallas_kernels.common.pick_implementation` says, the
 kernel for bf16 operands on a GPU (or in Pallas' interpreter with `interpret=True`), else the reference.
+
+The bf16 kernel differentiates (`jax.grad`): the rows' gradient is the same kernel over the output's
+cotangent with the weights read transposed, the weights' gradient `expert_outer_products` (a kernel
+of its own); the reference differentiates through XLA's ragged dot.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -17,9 +22,15 @@ import jax.numpy as jnp
 
 from pallas_kernels.block_fp8 import BLOCK, FP8, blocks, in_blocks
 from pallas_kernels.common import pick_implementation, sm_count
+from pallas_kernels.moe_gemm.expert_outer_mosaic import BLOCK_K, OuterConfig, expert_outer_kernel
 from pallas_kernels.moe_gemm.grouped_matmul_fp8_mosaic import Fp8GemmConfig, grouped_matmul_fp8_kernel
 from pallas_kernels.moe_gemm.grouped_matmul_mosaic import GemmConfig, grouped_matmul_kernel
-from pallas_kernels.moe_gemm.reference import grouped_matmul_fp8_reference, grouped_matmul_reference
+from pallas_kernels.moe_gemm.reference import (
+    expert_outer_reference,
+    grouped_matmul_fp8_reference,
+    grouped_matmul_reference,
+    used_tiles_per_expert,
+)
 
 
 class ExpertTiles(NamedTuple):
@@ -70,8 +81,8 @@ def _check(x, weights, tile_experts, used_tiles):
         raise ValueError(f"grouped_matmul: used_tiles must be a scalar, got shape {jnp.shape(used_tiles)}")
 
 
-def _kernel_unsupported(dtype, weights, config: GemmConfig):
-    k, n = weights.shape[1:]
+def _kernel_unsupported(dtype, weights, config: GemmConfig, transposed=False):
+    n, k = weights.shape[1:] if transposed else weights.shape[1:][::-1]
     if dtype != jnp.bfloat16 or weights.dtype != jnp.bfloat16:
         return f"bf16 x and weights needed, got {dtype} and {weights.dtype}"
     if k % config.block_k:
@@ -119,11 +130,80 @@ def grouped_matmul(
         raise ValueError(
             f"grouped_matmul: x must have T * block_rows = {tile_experts.shape[0]} * {config.block_rows} rows, got {x.shape[0]}"
         )
-    # One CTA per SM; two in the interpreter, so that its CPU threads still share the tiles out.
-    sms = 2 if interpret else sm_count()
-    return grouped_matmul_kernel(
-        x, weights, tile_experts.astype(jnp.int32), used_tiles, config=config, interpret=interpret, sms=sms
-    )
+    return _grouped_matmul_kernel(x, weights, tile_experts.astype(jnp.int32), jnp.asarray(used_tiles), config, interpret)
+
+
+def _sms(interpret):
+    """One CTA per SM; two in the interpreter, so that its CPU threads still share the items out."""
+    return 2 if interpret else sm_count()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _grouped_matmul_kernel(x, weights, tile_experts, used_tiles, config, interpret):
+    return grouped_matmul_kernel(x, weights, tile_experts, used_tiles, config=config, interpret=interpret,
+                                 sms=_sms(interpret))
+
+
+def _grouped_matmul_kernel_fwd(x, weights, tile_experts, used_tiles, config, interpret):
+    out = _grouped_matmul_kernel(x, weights, tile_experts, used_tiles, config, interpret)
+    return out, (x, weights, tile_experts, used_tiles)
+
+
+def _grouped_matmul_kernel_bwd(config, interpret, residuals, d_out):
+    """d_x = d_out W^T (the forward kernel, weights read transposed), zero past the used tiles (rows
+    there reach no output); d_w = `expert_outer_products(x, d_out)`. Shapes the backward kernels do
+    not take go through the reference's vjp."""
+    x, weights, tile_experts, used_tiles = residuals
+    experts, k, n = weights.shape
+    transposed = GemmConfig(config.block_rows, 256 if k % 256 == 0 else 128, 64, config.stages)
+    outer = OuterConfig(block_rows=config.block_rows)
+    if _kernel_unsupported(d_out.dtype, weights, transposed, transposed=True) or _outer_unsupported(x, d_out, outer):
+        _, vjp = jax.vjp(lambda x, w: grouped_matmul_reference(x, w, tile_experts, used_tiles), x, weights)
+        return (*vjp(d_out), None, None)
+    d_x = grouped_matmul_kernel(d_out, weights, tile_experts, used_tiles, config=transposed, interpret=interpret,
+                                sms=_sms(interpret), transposed=True)
+    d_x = jnp.where(jnp.arange(x.shape[0])[:, None] < used_tiles * config.block_rows, d_x, 0)
+    d_w = expert_outer_products(x, d_out, tile_experts, used_tiles, experts, implementation="pallas", config=outer,
+                                interpret=interpret)
+    return d_x, d_w.astype(weights.dtype), None, None
+
+
+_grouped_matmul_kernel.defvjp(_grouped_matmul_kernel_fwd, _grouped_matmul_kernel_bwd)
+
+
+def _outer_unsupported(x, y, config: OuterConfig):
+    if x.dtype != jnp.bfloat16 or y.dtype != jnp.bfloat16:
+        return f"bf16 x and y needed, got {x.dtype} and {y.dtype}"
+    if config.block_rows not in (64, 128):
+        return f"block_rows must be 64 or 128, got {config.block_rows}"
+    if config.block_cols * config.block_rows > 128 * 128:  # two stages and the stores in shared memory
+        return f"block_cols x block_rows must be at most 128 x 128, got {config.block_cols} x {config.block_rows}"
+    if x.shape[1] % BLOCK_K or y.shape[1] % config.block_cols:
+        return f"K = {x.shape[1]} must be a multiple of {BLOCK_K} and N = {y.shape[1]} of block_cols = {config.block_cols}"
+    return None
+
+
+def expert_outer_products(x, y, tile_experts, used_tiles, experts: int, *, implementation=None,
+                          config: OuterConfig = OuterConfig(), interpret=False):
+    """x [T * block_rows, K] and y [T * block_rows, N] in the tiled layout of `expert_tiles`,
+    tile_experts [T] int32, used_tiles [] int32 -> [G = experts, K, N] in y.dtype: each expert's sum
+    over its used tiles' rows of x_row (outer) y_row, in fp32 (the grouped GEMM's weight gradient,
+    y the cotangent of its output). Experts without rows get zeros. The kernel needs block_rows ==
+    config.block_rows; `implementation` and `interpret` as for `grouped_matmul`."""
+    if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"expert_outer_products: x [M, K] and y [M, N] expected, got {x.shape} and {y.shape}")
+    if tile_experts.ndim != 1 or tile_experts.shape[0] == 0 or x.shape[0] % tile_experts.shape[0]:
+        raise ValueError(f"expert_outer_products: tile_experts must be [T] with x's {x.shape[0]} rows a multiple of T,"
+                         f" got {tile_experts.shape}")
+    impl = pick_implementation(implementation, _outer_unsupported(x, y, config), x.dtype, interpret=interpret)
+    if impl == "reference":
+        return expert_outer_reference(x, y, tile_experts, used_tiles, experts)
+    if x.shape[0] != tile_experts.shape[0] * config.block_rows:
+        raise ValueError(f"expert_outer_products: x must have T * block_rows = {tile_experts.shape[0]} *"
+                         f" {config.block_rows} rows, got {x.shape[0]}")
+    counts = used_tiles_per_expert(tile_experts, used_tiles, experts)
+    return expert_outer_kernel(x, y, jnp.cumsum(counts) - counts, counts, experts=experts, config=config,
+                               interpret=interpret, sms=_sms(interpret))
 
 
 def _check_fp8(x, x_scales, weights, weight_scales, tile_experts, used_tiles):

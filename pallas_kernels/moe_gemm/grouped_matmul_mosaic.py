@@ -6,7 +6,9 @@ blocks fastest (the SMs at work at one time share a few tiles' rows and their ex
 columns in L2, so HBM sees each weight about once), and skipping tiles past the used ones. Per item,
 two compute warpgroups split the columns and a third feeds them by TMA, pipelined over K
 (`emit_pipeline_warp_specialized`). On the H200 this simple form is 2-6% faster than one pipeline
-per SM across all its items over 64-row tiles in pairs (bench/RESULTS.md).
+per SM across all its items over 64-row tiles in pairs (bench/RESULTS.md). With `transposed` the
+weights come as [G, N, K] (K-major): the backward's rows times the forward's weights transposed,
+read in place, the K-major weight block handed to wgmma as its transpose.
 """
 
 import dataclasses
@@ -31,9 +33,10 @@ class GemmConfig:
     stages: int = 3
 
 
-def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: GemmConfig, n_tiles: int):
+def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: GemmConfig, n_tiles: int, transposed):
     bm, bn, bk = config.block_rows, config.block_cols, config.block_k
-    k, n = w_ref.shape[1:]
+    n, k = w_ref.shape[1:] if transposed else w_ref.shape[1:][::-1]
+    w_block, w_index = ((bn, bk), lambda kk: (0, kk)) if transposed else ((bk, bn), lambda kk: (kk, 0))
     col_blocks = n // bn
     wg_cols = bn // 2
     swizzle = plgpu.find_swizzle(bk * 16)
@@ -48,7 +51,7 @@ def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: Gem
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=operand, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=operand, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(w_block, w_index, transforms=operand, memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -93,23 +96,29 @@ def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: Gem
                             )
 
                 def multiply(_, x_smem, w_smem, acc):
+                    own = pl.ds(wg * wg_cols, wg_cols)
                     with jax.named_scope("multiply"):
-                        plgpu.wgmma(acc, x_smem, w_smem.at[:, pl.ds(wg * wg_cols, wg_cols)])
+                        plgpu.wgmma(acc, x_smem, w_smem.at[own].transpose((1, 0)) if transposed else w_smem.at[:, own])
                         plgpu.wgmma_wait(0)
                     return acc
 
+                expert_w = w_ref.at[tile_experts_ref[tile]]
                 pipeline(multiply, context)(
-                    x_ref.at[rows, :], w_ref.at[tile_experts_ref[tile]].at[:, cols], allocations=allocations
+                    x_ref.at[rows, :], expert_w.at[cols, :] if transposed else expert_w.at[:, cols],
+                    allocations=allocations,
                 )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def grouped_matmul_kernel(x, weights, tile_experts, used_tiles, *, config: GemmConfig, interpret: bool, sms: int):
+def grouped_matmul_kernel(
+    x, weights, tile_experts, used_tiles, *, config: GemmConfig, interpret: bool, sms: int, transposed: bool = False
+):
+    """x [T * block_rows, K], weights [G, K, N] (or [G, N, K] `transposed`) -> [T * block_rows, N]."""
     n_tiles = tile_experts.shape[0]
     kernel = plgpu.kernel(
-        functools.partial(_gemm_kernel, config=config, n_tiles=n_tiles),
-        out_type=jax.ShapeDtypeStruct((x.shape[0], weights.shape[2]), x.dtype),
+        functools.partial(_gemm_kernel, config=config, n_tiles=n_tiles, transposed=transposed),
+        out_type=jax.ShapeDtypeStruct((x.shape[0], weights.shape[1 if transposed else 2]), x.dtype),
         grid=(sms,),
         grid_names=("sm",),
         num_threads=3,

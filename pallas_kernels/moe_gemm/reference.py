@@ -7,14 +7,34 @@ from jax import lax
 from pallas_kernels.block_fp8 import dequantize_blocks, dequantize_rows
 
 
+def used_tiles_per_expert(tile_experts, used_tiles, experts):
+    """[G] int32: how many of the used tiles each expert has (its tiles are consecutive)."""
+    used = (jnp.arange(tile_experts.shape[0]) < used_tiles).astype(jnp.int32)
+    return jnp.bincount(tile_experts, weights=used, length=experts).astype(jnp.int32)
+
+
 def grouped_matmul_reference(x, weights, tile_experts, used_tiles):
     """x [T * block_rows, K] in the tiled layout, weights [G, K, N], tile_experts [T], used_tiles [] ->
     [T * block_rows, N] in x.dtype (fp32 accumulation); rows of unused tiles are zero."""
     block_rows = x.shape[0] // tile_experts.shape[0]
-    used = (jnp.arange(tile_experts.shape[0]) < used_tiles).astype(jnp.int32)
-    group_sizes = jnp.bincount(tile_experts, weights=used, length=weights.shape[0]).astype(jnp.int32) * block_rows
+    group_sizes = used_tiles_per_expert(tile_experts, used_tiles, weights.shape[0]) * block_rows
     out = lax.ragged_dot(x, weights, group_sizes, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
+
+
+def expert_outer_reference(x, y, tile_experts, used_tiles, experts):
+    """x [T * block_rows, K], y [T * block_rows, N] in the tiled layout, tile_experts [T], used_tiles
+    [] -> [G, K, N] in y.dtype: for each expert the sum over its used tiles' rows of x_row (outer)
+    y_row, in fp32 (the grouped GEMM's weight gradient with y its output's cotangent)."""
+    block_rows = x.shape[0] // tile_experts.shape[0]
+    group_sizes = used_tiles_per_expert(tile_experts, used_tiles, experts) * block_rows
+    rows_contracted = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
+    out = lax.ragged_dot_general(
+        x, y, group_sizes, rows_contracted, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+    return out.astype(y.dtype)
 
 
 def grouped_matmul_fp8_reference(x, x_scales, weights, weight_scales, tile_experts, used_tiles, out_dtype=jnp.bfloat16):

@@ -5,6 +5,7 @@ rows against the reference's `index_add_` loop in numpy, the kernel lowered for 
 argument checks."""
 
 import jax
+import jax.test_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,6 +111,106 @@ def test_kernel_matches_numpy_and_reference(sizes, k, n, config):
     assert relative_error(out[:used_rows], ref[:used_rows]) < TOLERANCE
 
 
+def test_expert_outer_reference_matches_numpy():
+    sizes, block_rows = [3, 0, 70, 1], 64
+    x, _, tiles, x_tiled = tiled_operands(1, sizes, 64, 128, block_rows)
+    y = jax.random.normal(jax.random.key(2), (sum(sizes), 96), jnp.float32).astype(jnp.bfloat16)
+    y_tiled = jnp.zeros((x_tiled.shape[0], 96), jnp.bfloat16).at[tiles.slots].set(y)
+    out = moe_gemm.expert_outer_reference(x_tiled, y_tiled, tiles.tile_experts, tiles.used_tiles, len(sizes))
+    starts = np.cumsum([0] + sizes)
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    want = np.stack([x[starts[g]:starts[g + 1]].T @ y[starts[g]:starts[g + 1]] for g in range(len(sizes))])
+    assert out.shape == want.shape and out.dtype == jnp.bfloat16
+    assert relative_error(out, want) < TOLERANCE
+
+
+def test_reference_gradients_are_checked_numerically():
+    """The grouped GEMM's reference against finite differences (the outer products' reference is a
+    gradient itself: XLA's ragged dot does not differentiate its ragged-contracting form)."""
+    _, w, tiles, x_tiled = tiled_operands(3, [5, 0, 9], 16, 8, 1)
+    x, w = x_tiled.astype(jnp.float32), w.astype(jnp.float32)
+    jax.test_util.check_grads(lambda x, w: moe_gemm.grouped_matmul_reference(x, w, tiles.tile_experts, tiles.used_tiles),
+                              (x, w), order=1, modes=["rev"])
+
+
+class TestExpertOuter(KernelCase):
+    """`expert_outer_products` (the grouped GEMM's weight gradient) through its kernel: 64- and
+    128-row tiles, empty and one-row experts (zeros), an empty last expert, ragged tails, more items
+    than CTAs, one tile under three stages in 256 columns."""
+
+    cases = {
+        "64-row tiles, empty and one-row experts": dict(sizes=(100, 0, 1, 64, 135), k=128, n=256, block_rows=64),
+        "128-row tiles, an empty last expert": dict(sizes=(40, 300, 7, 0), k=256, n=256, block_rows=128),
+        "one tile under three stages, 256 columns": dict(sizes=(1,), k=128, n=256, block_rows=64, block_cols=256,
+                                                         stages=3),
+    }
+    kernels = {"moe_expert_outer": 1}
+    tolerance = TOLERANCE
+    lowering_cases = {
+        "prefill's gate_up": (dict(rows=65536, block_rows=128, k=4096, n=4096), ["mosaic_gpu_v2"]),
+        "decode's down": (dict(rows=512, block_rows=64, k=2048, n=4096), ["mosaic_gpu_v2"]),
+    }
+
+    def inputs(self, key, sizes, k, n, block_rows, block_cols=128, stages=2):
+        rows = sum(sizes)
+        tiles = moe_gemm.expert_tiles(jnp.array(sizes, jnp.int32), rows, block_rows)
+        m = tiles.tile_experts.shape[0] * block_rows
+        kx, ky = jax.random.split(key)
+        x = jnp.zeros((m, k), jnp.bfloat16).at[tiles.slots].set(jax.random.normal(kx, (rows, k)).astype(jnp.bfloat16))
+        y = jax.random.normal(ky, (m, n)).astype(jnp.bfloat16)  # padding rows too: the kernel sums them
+        config = moe_gemm.OuterConfig(block_rows=block_rows, block_cols=block_cols, stages=stages)
+        return (x, y, tiles.tile_experts, tiles.used_tiles, len(sizes)), dict(config=config)
+
+    def kernel(self, *args, interpret=True, config=None):
+        if interpret:
+            interpret = plgpu.InterpretGPUParams(detect_races=True)
+        out = moe_gemm.expert_outer_products(*args, implementation="pallas", config=config, interpret=interpret)
+        if interpret and not isinstance(out, jax.core.Tracer):
+            assert not gpu_callbacks.get_races().races_found
+        return out
+
+    def reference(self, *args, config=None):
+        return moe_gemm.expert_outer_reference(*args)
+
+    def lowering_args(self, rows, block_rows, k, n):
+        tiles, sds = moe_gemm.max_tiles(rows, 288, block_rows), jax.ShapeDtypeStruct
+        m = tiles * block_rows
+        args = (sds((m, k), jnp.bfloat16), sds((m, n), jnp.bfloat16), sds((tiles,), jnp.int32), sds((), jnp.int32))
+        return args, dict(config=moe_gemm.OuterConfig(block_rows=block_rows))
+
+    def test_lowers_for_an_h200(self, lowering_case):
+        shape, calls = self.lowering_cases[lowering_case]
+        args, kwargs = self.lowering_args(**shape)
+        text = lower_for_h200(lambda *a: self.kernel(*a, 288, interpret=False, **kwargs), *args).as_text()
+        assert text.count("custom_call @mosaic_gpu") == len(calls)
+
+
+@pytest.mark.parametrize("sizes, k, n, config", [
+    ([100, 0, 1, 64, 135], 128, 256, (64, 256, 64, 2)),  # empty and one-row experts, 64-row tiles
+    ([40, 90, 7, 0, 128, 300], 256, 512, (128, 256, 64, 2)),  # 128-row tiles, rows' gradient in 256 columns
+    ([0, 0, 130], 192, 256, (128, 256, 64, 3)),  # K = 192: the backward through the reference's vjp
+])
+def test_kernel_gradients_match_the_references_vjp(sizes, k, n, config):
+    """jax.vjp through the kernel (its custom_vjp: the transposed-weights kernel and the outer
+    products' kernel) against jax.vjp of the reference, a cotangent on every row (those past the used
+    tiles reach nothing)."""
+    config = moe_gemm.GemmConfig(*config)
+    _, w, tiles, x_tiled = tiled_operands(len(sizes) + n, sizes, k, n, config.block_rows)
+    d_out = jax.random.normal(jax.random.key(k), (x_tiled.shape[0], n)).astype(jnp.bfloat16)
+
+    def grads(implementation, interpret=False):
+        f = lambda x, w: moe_gemm.grouped_matmul(  # noqa: E731
+            x, w, tiles.tile_experts, tiles.used_tiles, implementation=implementation, config=config, interpret=interpret)
+        return jax.vjp(f, x_tiled, w)[1](d_out)
+
+    backward_kernels = {"moe_grouped_matmul": 2, "moe_expert_outer": 1} if k % 128 == 0 else {"moe_grouped_matmul": 1}
+    assert traced_kernels(lambda: grads("pallas", True)) == backward_kernels
+    (d_x, d_w), (want_x, want_w) = grads("pallas", True), grads("reference")
+    assert d_x.dtype == want_x.dtype == d_w.dtype == want_w.dtype == jnp.bfloat16
+    assert relative_error(d_x, want_x) < TOLERANCE and relative_error(d_w, want_w) < TOLERANCE
+    assert not np.asarray(d_x[int(tiles.used_tiles) * config.block_rows:]).any()
+
+
 def moe_params(seed, d, width, experts):
     ks = jax.random.split(jax.random.key(seed), 3)
     return dict(
@@ -133,6 +234,28 @@ def test_moe_layer_through_the_kernel_matches_the_reference(tokens):
     want = mlp.moe(p, x, config, implementation="reference")
     assert got.shape == x.shape and got.dtype == x.dtype
     assert relative_error(got, want) < TOLERANCE
+
+
+def test_moe_layer_gradients_through_the_kernels_match_the_reference():
+    """jax.grad of the routed experts' output through the forward and backward kernels (interpreted)
+    against the reference path's: the experts' weights, the router's and the input's gradients."""
+    config = Config().replace(
+        hidden_size=128, moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=0
+    )
+    p = moe_params(5, 128, 128, 16)
+    x = jax.random.normal(jax.random.key(8), (1, 111, 128), jnp.float32).astype(jnp.bfloat16)
+    r = jax.random.normal(jax.random.key(9), x.shape, jnp.float32)
+
+    def grads(implementation, interpret=False):
+        loss = lambda p, x: jnp.sum(mlp.moe(p, x, config, implementation=implementation, interpret=interpret) * r)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(p, x)
+
+    run = lambda: grads("pallas", True)  # noqa: E731
+    assert traced_kernels(run) == {"moe_grouped_matmul": 4, "moe_expert_outer": 2}  # forward 2, backward 2 + 2
+    got, want = run(), grads("reference")
+    for name in ("experts_gate_up", "experts_down", "router"):
+        assert relative_error(got[0][name], want[0][name]) < 2 * TOLERANCE, name
+    assert relative_error(got[1], want[1]) < 2 * TOLERANCE
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
