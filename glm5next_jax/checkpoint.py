@@ -156,27 +156,36 @@ def read_kda(r: Reader, L: str, c: Config):
 
 
 def _at_least_fp32(x):
-    x = np.asarray(x)
-    return x.astype(np.promote_types(x.dtype, np.float32))
+    """x in fp32 or wider: a jax array stays one (traced in training), anything else becomes numpy."""
+    xp = jnp if isinstance(x, jax.Array) else np
+    x = xp.asarray(x)
+    return x.astype(xp.promote_types(x.dtype, np.float32))
+
+
+def _einsum(spec, a, b):
+    if isinstance(a, jax.Array):
+        return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
+    return np.einsum(spec, a, b)
 
 
 def absorb_q(q_b, kv_b, c: Config):
     """q_absorb [q_lora, heads * R] for the heads whose rows q_b [heads * nope, q_lora] and kv_b
     [heads * (nope + v), R] hold: per head W_qb^T W_kb, so that q_resid @ q_absorb is the query in
-    latent space. In fp32 at least."""
+    latent space. In fp32 at least; in jnp for jax arrays (numpy otherwise)."""
     nope, v, r = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
     w_q = _at_least_fp32(q_b).reshape(-1, nope, q_b.shape[-1])  # [heads, nope, q_lora]
     w_k = _at_least_fp32(kv_b).reshape(-1, nope + v, r)[:, :nope]  # [heads, nope, R]
-    return np.einsum("hnq,hnr->qhr", w_q, w_k).reshape(w_q.shape[-1], -1)
+    return _einsum("hnq,hnr->qhr", w_q, w_k).reshape(w_q.shape[-1], -1)
 
 
 def absorb_o(o_proj, kv_b, c: Config):
     """o_absorb [heads * R, D] for the heads whose columns o_proj [D, heads * v] and rows kv_b hold:
-    per head W_o W_vb, mapping the latent attention output to the hidden size. In fp32 at least."""
+    per head W_o W_vb, mapping the latent attention output to the hidden size. In fp32 at least; in
+    jnp for jax arrays (numpy otherwise)."""
     nope, v, r = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
     w_v = _at_least_fp32(kv_b).reshape(-1, nope + v, r)[:, nope:]  # [heads, v, R]
     w_o = _at_least_fp32(o_proj).reshape(o_proj.shape[0], -1, v)  # [D, heads, v]
-    return np.einsum("dhv,hvr->hrd", w_o, w_v).reshape(-1, o_proj.shape[0])
+    return _einsum("dhv,hvr->hrd", w_o, w_v).reshape(-1, o_proj.shape[0])
 
 
 def absorbed_q(q_b, kv_b, c: Config):

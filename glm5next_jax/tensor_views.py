@@ -4,7 +4,9 @@ A parameter of the tree is a `View`: its shape, and `read(index)` that returns t
 (one slice per dimension) as numpy, reading from the files only the bytes that slice needs (whole
 rows of a stored tensor at most). Views compose the stored tensors as the loader needs them:
 transposes, stacks (the per-expert tensors of a MoE layer), an axis split in two, a scale, a
-computation over whole heads (DSA's absorbed projections). `np.asarray(view)` reads all of it.
+computation over whole heads (DSA's absorbed projections). `np.asarray(view)` reads all of it;
+`view.evaluate(arrays)` computes all of it in jnp from the stored tensors given as arrays (traceable:
+what training differentiates with respect to the stored tensors).
 
 `TensorFiles` reads safetensors itself (header, then positioned reads of byte ranges), so that a
 slice of a bf16 tensor costs its own bytes, and a damaged file is named in the error.
@@ -18,6 +20,7 @@ import math
 import os
 import struct
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -59,6 +62,10 @@ class View:
     def _read(self, index) -> np.ndarray:
         raise NotImplementedError
 
+    def evaluate(self, arrays):
+        """The whole view in jnp, from `arrays` (stored name -> array)."""
+        raise NotImplementedError
+
     def stored(self) -> list[Tensor]:
         """The stored tensors this view reads."""
         return [t for v in self.parts() for t in v.stored()]
@@ -91,6 +98,9 @@ class Tensor(View):
     def _read(self, index):
         return self.source.read(self.name, index)
 
+    def evaluate(self, arrays):
+        return jnp.asarray(arrays[self.name])
+
 
 class Transpose(View):
     def __init__(self, view, perm):
@@ -102,6 +112,9 @@ class Transpose(View):
         for out_axis, in_axis in enumerate(self.perm):
             inner[in_axis] = index[out_axis]
         return self.view._read(tuple(inner)).transpose(self.perm)
+
+    def evaluate(self, arrays):
+        return jnp.transpose(self.view.evaluate(arrays), self.perm)
 
 
 class Stack(View):
@@ -123,6 +136,9 @@ class Stack(View):
             return np.zeros(tuple(s.stop - s.start for s in index), self.dtype)
         return np.stack(parts, axis=self.axis)
 
+    def evaluate(self, arrays):
+        return jnp.stack([v.evaluate(arrays) for v in self.views], axis=self.axis)
+
 
 class SplitAxis(View):
     """`axis` of size a * b read as two axes (a, b), as a row-major reshape."""
@@ -141,6 +157,9 @@ class SplitAxis(View):
         x = x.reshape(x.shape[: self.axis] + (outer.stop - outer.start, b) + x.shape[self.axis + 1 :])
         return x[(slice(None),) * (self.axis + 1) + (inner,)]
 
+    def evaluate(self, arrays):
+        return jnp.reshape(self.view.evaluate(arrays), self.shape)
+
 
 class Squeeze(View):
     def __init__(self, view, axis):
@@ -150,6 +169,9 @@ class Squeeze(View):
 
     def _read(self, index):
         return self.view._read(index[: self.axis] + (slice(0, 1),) + index[self.axis :]).squeeze(self.axis)
+
+    def evaluate(self, arrays):
+        return jnp.squeeze(self.view.evaluate(arrays), self.axis)
 
 
 class Scaled(View):
@@ -161,6 +183,9 @@ class Scaled(View):
 
     def _read(self, index):
         return self.view._read(index).astype(np.float32) * self.factor
+
+    def evaluate(self, arrays):
+        return self.view.evaluate(arrays).astype(jnp.float32) * self.factor
 
 
 class PerGroup(View):
@@ -186,6 +211,9 @@ class PerGroup(View):
         cut[self.axis] = slice(span.start - offset, span.stop - offset)
         return x[tuple(cut)]
 
+    def evaluate(self, arrays):
+        return self.fn(range(self.shape[self.axis] // self.width), *[v.evaluate(arrays) for v in self.views])
+
 
 class Float8(View):
     """A stored float8 weight's codes, as stored (the FP8 form keeps them beside their scales)."""
@@ -195,6 +223,9 @@ class Float8(View):
 
     def _read(self, index):
         return self.view.source.read_stored(self.view.name, index)
+
+    def evaluate(self, arrays):
+        raise InputError(f"{self.view.name} is float8: its codes have no gradient (dequantize the checkpoint first)")
 
 
 class BlockScaled(View):
@@ -217,6 +248,9 @@ class BlockScaled(View):
             offset = span.start - span.start // b * b
             scales = np.repeat(scales, b, axis=axis).take(range(offset, offset + span.stop - span.start), axis=axis)
         return codes * scales
+
+    def evaluate(self, arrays):
+        raise InputError(f"{self.weight.name} is float8: its codes have no gradient (dequantize the checkpoint first)")
 
 
 class TensorFiles:

@@ -34,6 +34,7 @@ GOLDEN_INPUTS = [
     os.path.join(ROOT, "tests", "model", "fixtures", "GLM-5.3-Flash.config.json"),
     os.path.join(ROOT, "glm5next_jax", "release_fp8.py"),
     os.path.join(ROOT, "tests", "reference", "fp8_goldens.py"),
+    os.path.join(ROOT, "tests", "reference", "gradient_goldens.py"),
     *(os.path.join(path, f) for path in SHIPPED_MODELS.values() for f in sorted(os.listdir(path))),
 ]
 

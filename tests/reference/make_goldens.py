@@ -6,8 +6,9 @@ Runs in the reference env (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0):
 
 Writes OUT_DIR/models/<name>/ (HF checkpoints of the variant configs), OUT_DIR/cases/<case>.npz
 (input ids, mask, fp32 logits, model name), OUT_DIR/layers/<name>.npz (each module alone:
-its state dict under the decoder-layer names, inputs and outputs) and OUT_DIR/release/ (transformers'
-reading of the published config.json, and the release's tensors), then OUT_DIR/manifest.json last,
+its state dict under the decoder-layer names, inputs and outputs), OUT_DIR/release/ (transformers'
+reading of the published config.json, and the release's tensors), the FP8 checkpoint's goldens
+(fp8_goldens.py) and autograd's gradients (gradient_goldens.py), then OUT_DIR/manifest.json last,
 so an interrupted run is never mistaken for a complete one.
 """
 
@@ -431,9 +432,11 @@ def main():
         "layers": layer_cases(out),
         "release": release_case(out),
     }
-    import fp8_goldens  # beside this file; it imports this module's helpers
+    import fp8_goldens  # beside this file; they import this module's helpers
+    import gradient_goldens
 
     fp8_goldens.add_to(manifest, out)
+    gradient_goldens.add_to(manifest, out)
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     print(f"goldens in {out}: {len(manifest['cases'])} model cases, {len(manifest['layers'])} layer cases "
