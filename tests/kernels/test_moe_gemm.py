@@ -5,8 +5,8 @@ rows against the reference's `index_add_` loop in numpy, the kernel lowered for 
 argument checks."""
 
 import jax
-import jax.test_util
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 from conftest import relative_error, traced_kernels
