@@ -116,7 +116,9 @@ def select(q_idx, head_weights, pool_keys, key_valid, query_positions, config, i
 
 def indexer_select(p, h, q_resid, key_valid, config, implementation=None, interpret=False, layout=None):
     """The indexer over a whole sequence: selected key indices [B, T, W] (-1 padded) per query;
-    `implementation` and `interpret` pick the selection's kernels (as in `select_tokens`)."""
+    `implementation` and `interpret` pick the selection's kernels (as in `select_tokens`). No gradient
+    flows through it (transformers' neither): its only way to the loss is the discrete selection."""
+    p, h, q_resid = jax.lax.stop_gradient((p, h, q_resid))
     b, t = h.shape[:2]
     k_idx, gate = indexer_keys(p, h)
     return select(

@@ -24,8 +24,14 @@ else the reference.
 The Pallas scan factors decays through reference tokens 16 tokens apart and is exact for gates
 g >= prefill_intra_mosaic.MIN_GATE (-5 per token, which the model's lower bound guarantees); for unbounded
 gates ask for "reference".
+
+The Pallas scan differentiates (`jax.grad`): its backward recomputes the chunked reference and takes
+that one's vjp in XLA (no backward kernel yet); the gradients are the reference's for the same inputs.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import pick_implementation
@@ -69,13 +75,34 @@ def kda_chunk_scan(
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     if initial_state is None:
         initial_state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
+    options = (chunk_size, block_v, value_slots, o_products, multicast, interpret)
+    return _pallas_scan(q, k, v, g, beta, initial_state, lengths, options)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _pallas_scan(q, k, v, g, beta, initial_state, lengths, options):
+    _, block_v, value_slots, o_products, multicast, interpret = options
     bf16 = jnp.bfloat16
     o, state = prefill_chain_mosaic.chunk_scan(
         q.astype(bf16), k.astype(bf16), v.astype(bf16), g.astype(jnp.float32), beta,
         initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, block_v=block_v,
         value_slots=value_slots, o_products=o_products, multicast=multicast, interpret=interpret,
     )
-    return o[:, :t], state
+    return o[:, : q.shape[1]], state
+
+
+def _pallas_scan_fwd(q, k, v, g, beta, initial_state, lengths, options):
+    return _pallas_scan(q, k, v, g, beta, initial_state, lengths, options), (q, k, v, g, beta, initial_state, lengths)
+
+
+def _pallas_scan_bwd(options, residuals, cotangents):
+    *inputs, lengths = residuals
+    scan = lambda *x: kda_chunk_scan_reference(*x, chunk_size=options[0], lengths=lengths)  # noqa: E731
+    _, vjp = jax.vjp(scan, *inputs)
+    return (*vjp(cotangents), None)
+
+
+_pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
 
 
 def kda_recurrent(q, k, v, g, beta, initial_state=None, *, lengths=None):

@@ -21,8 +21,15 @@ Selected indices may repeat (a token counts once); -1, and any index outside [0,
 slot. The kernel counts a repeated index once only when `distinct_indices` is False (the default), by
 marking repeats empty before the launch (a sort of each row); the model's selections are distinct by
 construction (whole disjoint pools and the tail after them) and say so.
+
+The kernels differentiate (`jax.grad`) in q_lat and the latents: the backward recomputes the
+reference and takes its vjp in XLA (no backward kernel yet); the indices, the pages and an fp8
+cache's scales get no gradient.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import pick_implementation
@@ -92,8 +99,30 @@ def sparse_latent_attention(
         return sparse_latent_attention_reference(
             q_lat, latents, indices, scale=scale, latent_scales=latent_scales, page_table=page_table
         )
+    return _kernel_attention(q_lat, latents, indices, latent_scales, page_table, (scale, config, distinct_indices, interpret))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _kernel_attention(q_lat, latents, indices, latent_scales, page_table, options):
+    scale, config, distinct_indices, interpret = options
     backend = sparse_attend_mosaic if isinstance(config, MosaicConfig) else sparse_attend_triton
     return backend.sparse_latent_attention_kernel(
         q_lat, latents, indices, latent_scales, page_table, scale=scale, config=config,
         distinct_indices=distinct_indices, interpret=interpret,
     )
+
+
+def _kernel_attention_fwd(q_lat, latents, indices, latent_scales, page_table, options):
+    out = _kernel_attention(q_lat, latents, indices, latent_scales, page_table, options)
+    return out, (q_lat, latents, indices, latent_scales, page_table)
+
+
+def _kernel_attention_bwd(options, residuals, d_out):
+    q_lat, latents, indices, latent_scales, page_table = residuals
+    attend = lambda q, c: sparse_latent_attention_reference(  # noqa: E731
+        q, c, indices, scale=options[0], latent_scales=latent_scales, page_table=page_table)
+    _, vjp = jax.vjp(attend, q_lat, latents)
+    return (*vjp(d_out), None, None, None)
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)

@@ -331,3 +331,20 @@ def test_mosaic_stages_that_do_not_fit_are_named():
         la.sparse_latent_attention(
             q, latents, indices, scale=0.125, implementation="pallas", interpret=True, config=la.MosaicConfig(stages=3)
         )
+
+
+@pytest.mark.parametrize("config", [la.KernelConfig(), la.MosaicConfig()], ids=["triton", "mosaic"])
+def test_kernel_differentiates_as_the_reference(config):
+    """jax.vjp through the kernel (interpreted) in q_lat and the latents against jax.vjp of the
+    reference: the kernel's backward is the reference's."""
+    q, latents, indices = random_case(5, 1, 3, 64, 128, 90, 40)
+    d_out = jax.random.normal(jax.random.key(6), q.shape).astype(jnp.bfloat16)
+
+    def grads(implementation):
+        attend = lambda q, c: la.sparse_latent_attention(  # noqa: E731
+            q, c, indices, scale=0.1, implementation=implementation, config=config, interpret=True)
+        return jax.vjp(attend, q, latents)[1](d_out)
+
+    for g, w in zip(grads("pallas"), grads("reference"), strict=True):
+        assert g.dtype == w.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

@@ -13,7 +13,8 @@ from conftest import golden_case, load_model, model_path, record
 from glm5next_jax import train
 from glm5next_jax.errors import InputError
 
-GRADIENT_CASES = ["grad_tiny_dense", "grad_tiny_sparse_left_pad", "grad_shared_right_pad", "grad_groups"]
+GRADIENT_CASES = ["grad_tiny_dense", "grad_tiny_sparse_left_pad", "grad_shared_right_pad", "grad_groups",
+                  "grad_kernels_left_pad"]
 
 
 def golden_gradients(goldens, case):
@@ -38,6 +39,32 @@ def test_fp32_gradients_match_torch_autograd(goldens, case):
     worst = max(errors, key=errors.get)
     record(f"gradients {case}, relative L2 (worst: {worst})", errors[worst])
     assert errors[worst] < 1e-4, (worst, errors[worst])
+
+
+def test_bf16_gradients_through_the_kernels_are_as_close_as_the_reference_paths(goldens):
+    """bf16 through every kernel (interpreted: the MoE's forward and backward kernels, the KDA scan's
+    and the latent attention's forward kernels with their reference backward, the selection's
+    kernels without gradient) against torch's fp32 gradients, as close as the pure-jnp reference
+    path in bf16 is: the relative L2 over all gradients together and the per-tensor median."""
+    data, want = golden_gradients(goldens, "grad_kernels_left_pad")
+    path = model_path(goldens, "kernels")
+    runs = {
+        implementation: train.checkpoint_gradients(path, data["ids"], data["mask"], dtype="bfloat16",
+                                                   implementation=implementation, interpret=True)
+        for implementation in ("reference", "pallas")
+    }
+    summary = {}
+    for implementation, (loss, got) in runs.items():
+        assert sorted(got) == sorted(want)
+        total = np.sqrt(sum(np.sum((got[n] - want[n]) ** 2) for n in want) / sum(np.sum(want[n] ** 2) for n in want))
+        median = float(np.median([relative_l2(got[n], want[n]) for n in want]))
+        summary[implementation] = (float(total), median, abs(loss / float(data["loss"]) - 1))
+        record(f"bf16 gradients through {implementation}, relative L2 of all", float(total))
+        record(f"bf16 gradients through {implementation}, median per tensor", median)
+        record(f"bf16 loss through {implementation}, relative", summary[implementation][2])
+    (ref_total, ref_median, _), (total, median, loss) = summary["reference"], summary["pallas"]
+    assert total <= 1.5 * ref_total and median <= 1.5 * ref_median, summary
+    assert loss < 2.0**-7, summary  # a bf16 forward's loss: within a few of its roundings
 
 
 def test_module_naming_gives_the_loaders_params(goldens):

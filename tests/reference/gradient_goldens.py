@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import torch
-from make_goldens import SHIPPED, draw_ids, load, padded_mask
+from make_goldens import KERNELS, SHIPPED, draw_ids, load, padded_mask
 
 # case -> (model: "shipped" or a variant saved under OUT/models, mask)
 CASES = {
@@ -22,7 +22,10 @@ CASES = {
     "grad_shared_right_pad": ("shared", lambda: padded_mask([91, 120], 120, "right")),
     # Group-limited routing.
     "grad_groups": ("groups", lambda: torch.ones(1, 96, dtype=torch.long)),
+    # The checkpoint whose widths every kernel takes (sparse, left padding): the bf16 kernel path's case.
+    "grad_kernels_left_pad": ("kernels", lambda: padded_mask([100, 71], 100, "left")),
 }
+SHIPPED_MODELS = {"shipped": SHIPPED, "kernels": KERNELS}
 
 
 def loss_of(model, ids, mask):
@@ -38,7 +41,7 @@ def add_to(manifest, out):
     gen = torch.Generator().manual_seed(2468)
     manifest["gradients"] = []
     for case, (model_name, mask_of) in CASES.items():
-        model = load(SHIPPED if model_name == "shipped" else os.path.join(out, "models", model_name), torch.float32)
+        model = load(SHIPPED_MODELS.get(model_name) or os.path.join(out, "models", model_name), torch.float32)
         mask = mask_of()
         ids = draw_ids(gen, model, mask)
         model.zero_grad()
