@@ -29,7 +29,7 @@ from .check import CheckReport, summarise
 from .config import DSA, Config, read_config_json
 from .errors import InputError, MissingFileError
 from .fp8_views import expand_views, fp8_views
-from .params import Leaf, leaf_dtype, param_spec
+from .params import FORMS, Leaf, leaf_dtype, param_spec
 from .progress import ByteProgress
 from .quantization import SCALE_SUFFIX, QuantizationConfig, scale_problems
 from .tensor_views import (
@@ -204,7 +204,7 @@ def absorbed_o(o_proj, kv_b, c: Config):
     return PerGroup((heads * r, o_proj.shape[0]), 0, r, [o_proj, kv_b], parts, lambda g, o, kv: absorb_o(o, kv, c))
 
 
-def read_dsa(r: Reader, L: str, c: Config, layer: int):
+def read_dsa(r: Reader, L: str, c: Config, layer: int, form: str = "inference"):
     d, heads, ql, rank = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
     a = L + "self_attn."
     q_b = r.take(a + "q_b_proj.weight", (heads * c.qk_head_dim, ql))
@@ -218,6 +218,9 @@ def read_dsa(r: Reader, L: str, c: Config, layer: int):
         "kv_a_norm": r.take(a + "kv_a_layernorm.weight", (rank,)),
         "o_absorb": absorbed_o(o_proj, kv_b, c) if _all(o_proj, kv_b) else None,
     }
+    if form == "train":
+        del out["q_absorb"], out["o_absorb"]
+        out.update(q_b_proj=_t(q_b), kv_b_proj=_t(kv_b), o_proj=_t(o_proj))
     if c.indexer_types[layer] == "full":
         i = a + "indexer."
         nh, hd = c.index_n_heads, c.index_head_dim
@@ -283,8 +286,9 @@ def read_hc(r: Reader, L: str, site: str, c: Config):
     }
 
 
-def read_params(r: Reader, c: Config):
-    """The parameter tree as lazy views of the stored tensors (None where one is missing)."""
+def read_params(r: Reader, c: Config, form: str = "inference"):
+    """The parameter tree (`params.param_spec`'s `form`) as lazy views of the stored tensors (None
+    where one is missing)."""
     layers = []
     for i in range(c.num_hidden_layers):
         L = f"layers.{i}."
@@ -294,7 +298,7 @@ def read_params(r: Reader, c: Config):
                 "ffn_hc": read_hc(r, L, "ffn", c),
                 "input_norm": r.take(L + "input_layernorm.weight", (c.hidden_size,)),
                 "post_attention_norm": r.take(L + "post_attention_layernorm.weight", (c.hidden_size,)),
-                "attn": read_dsa(r, L, c, i) if c.layer_types[i] == DSA else read_kda(r, L, c),
+                "attn": read_dsa(r, L, c, i, form) if c.layer_types[i] == DSA else read_kda(r, L, c),
                 "mlp": read_moe(r, L, c)
                 if c.mlp_layer_types[i] == "sparse"
                 else read_dense_mlp(r, L + "mlp.", c, c.intermediate_size),
@@ -347,8 +351,9 @@ class LoadPlan:
         return [n for n in self.loaded() if self.files.dtype(n) in FLOAT8]
 
 
-def plan_load(path) -> LoadPlan:
-    """load_checkpoint's dry run: every shape, dtype, scale and file checked, every problem collected."""
+def plan_load(path, form: str = "inference") -> LoadPlan:
+    """load_checkpoint's dry run: every shape, dtype, scale and file checked, every problem collected;
+    the views in `params.param_spec`'s `form`."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise MissingFileError(f"no checkpoint directory at {path}")
@@ -369,7 +374,7 @@ def plan_load(path) -> LoadPlan:
             wanted.add(name)
     scales, scale_issues = scale_problems(files, quantization)
     reader = Reader(files, prefix, wanted, scales)
-    views = read_params(reader, config)
+    views = read_params(reader, config, form)
     problems = files.problems + reader.problems() + scale_issues
     return LoadPlan(path, config, quantization, files, views, skipped, scales, problems)
 
@@ -432,7 +437,7 @@ def form_views(plan: LoadPlan, weights: str):
     )
 
 
-def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress="auto", weights="checkpoint"):
+def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress="auto", weights="checkpoint", form="inference"):
     """(config, params) from a transformers checkpoint directory; params in `dtype` ("float32" or "bfloat16").
 
     weights: the form of the linears the release converts to block-scaled FP8 (`params.Fp8Weight`,
@@ -445,11 +450,17 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress="auto", wei
     place; None: one device. progress (`progress.ByteProgress`): "auto" shows a bar of the stored bytes
     read, with rate and ETA, when stderr is a terminal; True always, False never; a callable gets
     (done_bytes, total_bytes) as the tensors load.
+    form: "inference" (DSA's projections absorbed) or "train" (`params.param_spec`: q_b_proj,
+    kv_b_proj and o_proj as stored, transposed; plain weights only, a float8 checkpoint dequantized).
     Every problem `check` finds is refused in one error before any tensor data is read.
     """
     dtype = _load_dtype(dtype)
     _check_weights(weights)
-    plan = plan_load(path)
+    if form not in FORMS:
+        raise InputError(f"form must be one of {FORMS}, got {form!r}")
+    if form == "train" and weights == "fp8":
+        raise InputError('form="train" holds plain weights: weights="fp8" does not apply')
+    plan = plan_load(path, form)
     config, problems = plan.config, plan.problems
     if len(problems) == 1:
         raise InputError(f"checkpoint {plan.path}: {problems[0]}")
@@ -458,15 +469,15 @@ def load_checkpoint(path, dtype="bfloat16", *, layout=None, progress="auto", wei
     if plan.skipped:
         log.info("skipped tensors outside the text forward: %s",
                  ", ".join(f"{r} ({len(n)})" for r, n in sorted(plan.skipped.items())))
-    fp8, views = form_views(plan, weights)
-    spec = param_spec(config, fp8)
+    fp8, views = form_views(plan, "dequantize" if form == "train" else weights)
+    spec = param_spec(config, fp8, form)
     if layout is not None:
         from .sharding import check_divisible, layout_param_spec, param_shardings, scales_per_element
 
         if fp8:  # the weights the layout cuts inside blocks: their scales per element along the cut
             spec = layout_param_spec(config, layout, fp8)
             views = scales_per_element(views, config, layout, expand_views)
-        shardings = param_shardings(config, layout, fp8)
+        shardings = param_shardings(config, layout, fp8, form)
         shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32), spec, is_leaf=_is_leaf)
         check_divisible(shapes, shardings)
     else:

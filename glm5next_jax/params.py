@@ -88,7 +88,7 @@ def _kda_spec(c: Config):
     }
 
 
-def _dsa_spec(c: Config, layer: int):
+def _dsa_spec(c: Config, layer: int, form: str):
     d, heads, r, ql = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.q_lora_rank
     spec = {
         "q_a_proj": Leaf((d, ql), ("embed", "q_lora"), converted=True),
@@ -98,6 +98,11 @@ def _dsa_spec(c: Config, layer: int):
         "kv_a_norm": Leaf((r,), ("kv_lora",), init="ones"),
         "o_absorb": Leaf((heads * r, d), ("heads_latent", "embed")),
     }
+    if form == "train":  # the checkpoint's projections, from which the absorbed ones are computed
+        del spec["q_absorb"], spec["o_absorb"]
+        spec["q_b_proj"] = Leaf((ql, heads * c.qk_head_dim), ("q_lora", "heads_q"))
+        spec["kv_b_proj"] = Leaf((r, heads * (c.qk_nope_head_dim + c.v_head_dim)), ("kv_lora", "heads_kv"))
+        spec["o_proj"] = Leaf((heads * c.v_head_dim, d), ("heads_v", "embed"))
     if c.indexer_types[layer] == "full":
         nh, hd = c.index_n_heads, c.index_head_dim
         spec["indexer"] = {
@@ -144,9 +149,18 @@ def _hc_spec(c: Config):
     }
 
 
-def param_spec(config: Config, fp8: bool = False):
-    """The tree of `Leaf` specs; with fp8, the converted linears as `Fp8Weight` nodes of specs."""
+FORMS = ("inference", "train")
+
+
+def param_spec(config: Config, fp8: bool = False, form: str = "inference"):
+    """The tree of `Leaf` specs; with fp8, the converted linears as `Fp8Weight` nodes of specs.
+    form "train": DSA's q_b_proj, kv_b_proj and o_proj (as [in, out]) in place of the absorbed
+    q_absorb and o_absorb (`train.inference_params` computes those from them)."""
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if fp8:
+        if form == "train":
+            raise ValueError("the train form holds plain weights: no fp8")
         return jax.tree.map(lambda leaf: fp8_leaf(leaf) if leaf.converted else leaf, param_spec(config), is_leaf=_is_leaf)
     c = config
     d, v = c.hidden_size, c.vocab_size
@@ -158,7 +172,7 @@ def param_spec(config: Config, fp8: bool = False):
                 "ffn_hc": _hc_spec(c),
                 "input_norm": Leaf((d,), (None,), init="ones"),
                 "post_attention_norm": Leaf((d,), (None,), init="ones"),
-                "attn": _dsa_spec(c, i) if c.layer_types[i] == DSA else _kda_spec(c),
+                "attn": _dsa_spec(c, i, form) if c.layer_types[i] == DSA else _kda_spec(c),
                 "mlp": _moe_spec(c) if c.mlp_layer_types[i] == "sparse" else _dense_mlp_spec(c, c.intermediate_size),
             }
         )
@@ -190,9 +204,9 @@ def spec_shapes(spec, dtype="bfloat16"):
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, leaf_dtype(l, dtype)), spec, is_leaf=_is_leaf)
 
 
-def param_axes(config: Config, fp8: bool = False):
+def param_axes(config: Config, fp8: bool = False, form: str = "inference"):
     """Tree of logical-axis tuples, one name (or None) per dimension of each parameter."""
-    return jax.tree.map(lambda l: l.axes, param_spec(config, fp8), is_leaf=_is_leaf)
+    return jax.tree.map(lambda l: l.axes, param_spec(config, fp8, form), is_leaf=_is_leaf)
 
 
 def quantize_linear(w, leaf: Leaf) -> Fp8Weight:
@@ -222,12 +236,12 @@ def dequantize_params(params, config: Config, dtype="bfloat16"):
     )
 
 
-def init_params(config: Config, key, dtype="bfloat16", fp8: bool = False):
+def init_params(config: Config, key, dtype="bfloat16", fp8: bool = False, form: str = "inference"):
     """Random parameters (normal, std 0.02; norms ones) for benchmarks and tests without a checkpoint;
-    with fp8, the converted linears quantized from such values."""
+    with fp8, the converted linears quantized from such values; `form` as for `param_spec`."""
     if fp8:
         return quantize_params(init_params(config, key, dtype), config)
-    spec = param_spec(config)
+    spec = param_spec(config, form=form)
     leaves, treedef = jax.tree.flatten(spec, is_leaf=_is_leaf)
     keys = jax.random.split(key, len(leaves))
 

@@ -34,7 +34,8 @@ from .params import Fp8Weight, Leaf, is_fp8, param_axes, param_spec
 MESH_AXES = ("data", "expert", "model")
 
 # Logical axes: batch, sequence, embed, vocab, kda_heads, kda_channels (heads x head_dim), heads
-# (DSA's), heads_latent (DSA heads x latent width), q_lora, kv_lora, index_heads_dim, mlp, experts,
+# (DSA's), heads_latent (DSA heads x latent width), heads_q, heads_kv, heads_v (the train form's DSA
+# heads x query, key + value and value widths), q_lora, kv_lora, index_heads_dim, mlp, experts,
 # expert_mlp, pages (the paged caches' first dimension: pages follow their sequences' batch rows).
 RULES: tuple[tuple[str, str], ...] = (
     ("batch", "data"),
@@ -44,6 +45,9 @@ RULES: tuple[tuple[str, str], ...] = (
     ("kda_channels", "model"),
     ("heads", "model"),
     ("heads_latent", "model"),
+    ("heads_q", "model"),
+    ("heads_kv", "model"),
+    ("heads_v", "model"),
     ("mlp", "model"),
     ("experts", "expert"),
     ("expert_mlp", "model"),
@@ -225,9 +229,10 @@ def layout_param_spec(config: Config, layout: Layout, fp8: bool = False):
     return scales_per_element(spec, config, layout, expand_spec) if fp8 else spec
 
 
-def param_shardings(config: Config, layout: Layout, fp8: bool = False):
-    """The parameters' shardings (fp8: of the FP8 form, its scales split alike with their codes)."""
-    return layout.shardings(param_axes(config, fp8))
+def param_shardings(config: Config, layout: Layout, fp8: bool = False, form: str = "inference"):
+    """The parameters' shardings (fp8: of the FP8 form, its scales split alike with their codes;
+    `form` as for `params.param_spec`)."""
+    return layout.shardings(param_axes(config, fp8, form))
 
 
 def indivisible(shapes_tree, shardings_tree) -> list[str]:

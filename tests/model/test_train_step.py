@@ -1,0 +1,79 @@
+"""The training step: the train form's parameters (DSA's checkpoint projections) against the
+loader's inference form, its gradients against `checkpoint_gradients` (torch-keyed, checked against
+autograd elsewhere), overfitting one batch, and the frozen leaves."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import golden_case, load_model, model_path
+
+from glm5next_jax import load_checkpoint, train
+from glm5next_jax.errors import InputError
+from glm5next_jax.params import param_spec
+
+
+@pytest.fixture(scope="module")
+def shipped_train_form(goldens):
+    return load_checkpoint(model_path(goldens, "shipped"), "float32", form="train")
+
+
+def test_train_form_gives_the_loaders_inference_params(goldens, shipped_train_form):
+    config, params = shipped_train_form
+    _, loaded = load_model(model_path(goldens, "shipped"), "float32")
+    got = train.inference_params(params, config)
+    assert jax.tree.structure(got) == jax.tree.structure(loaded)
+    for (where, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(where))
+
+
+def test_train_form_gradients_are_the_checkpoints(goldens, shipped_train_form):
+    """jax.grad over the train form equals `checkpoint_gradients` (transformers' names and layout)."""
+    config, params = shipped_train_form
+    case = golden_case(goldens, "tiny_dense")
+    grads = jax.grad(lambda p: train.next_token_loss(train.inference_params(p, config), config, case["ids"]))(params)
+    _, named = train.checkpoint_gradients(model_path(goldens, "shipped"), case["ids"])
+    layer = next(i for i, t in enumerate(config.layer_types) if t == "indexed_attention")
+    prefix = f"model.language_model.layers.{layer}."
+    pairs = {
+        "self_attn.q_b_proj.weight": grads["layers"][layer]["attn"]["q_b_proj"].T,
+        "self_attn.kv_b_proj.weight": grads["layers"][layer]["attn"]["kv_b_proj"].T,
+        "self_attn.o_proj.weight": grads["layers"][layer]["attn"]["o_proj"].T,
+        "self_attn.q_a_proj.weight": grads["layers"][layer]["attn"]["q_a_proj"].T,
+        "input_layernorm.weight": grads["layers"][layer]["input_norm"],
+    }
+    for name, got in pairs.items():
+        want = named[prefix + name]
+        assert np.linalg.norm(np.asarray(got) - want) <= 1e-5 * np.linalg.norm(want), name
+
+
+def test_overfitting_one_batch(shipped_train_form):
+    """AdamW on one batch of the tiny checkpoint drives the loss below a tenth of its start within 50
+    steps; the indexer and the router's selection bias stay as loaded."""
+    config, params = shipped_train_form
+    ids = np.random.default_rng(0).integers(2, config.vocab_size, (2, 24))
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0  # left padding: its positions count for nothing
+    optimizer = optax.adamw(1e-2)
+    step = jax.jit(train.train_step, static_argnames=train.STATIC)
+    state = train.init_train_state(params, optimizer)
+    losses = []
+    for _ in range(50):
+        state, metrics = step(state, ids, mask, config=config, optimizer=optimizer)
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == 50
+    assert losses[-1] < 0.1 * losses[0], losses
+    frozen = jax.tree.leaves(jax.tree.map(lambda keep, a, b: keep or bool(jnp.array_equal(a, b)),
+                                          train.trainable(params), params, state.params))
+    assert all(frozen)
+    assert not all(jax.tree.leaves(train.trainable(params)))  # there were frozen leaves to check
+
+
+def test_bad_forms_are_named(goldens):
+    with pytest.raises(InputError, match="form must be one of"):
+        load_checkpoint(model_path(goldens, "shipped"), form="training")
+    with pytest.raises(InputError, match='weights="fp8" does not apply'):
+        load_checkpoint(model_path(goldens, "shipped"), form="train", weights="fp8")
+    with pytest.raises(ValueError, match="no fp8"):
+        param_spec(load_model(model_path(goldens, "shipped"), "float32")[0], fp8=True, form="train")
