@@ -256,13 +256,14 @@ def check_divisible(shapes_tree, shardings_tree):
         raise InputError("sharding does not divide:\n  " + "\n  ".join(problems))
 
 
-def shard_params(params, config: Config, layout: Layout):
-    """Place params on the layout's mesh by its rules (in the FP8 form, the scales of the weights it
-    cuts inside blocks per element along the cut: `scales_per_element`)."""
+def shard_params(params, config: Config, layout: Layout, form: str = "inference"):
+    """Place params (of `params.param_spec`'s `form`) on the layout's mesh by its rules (in the FP8
+    form, the scales of the weights it cuts inside blocks per element along the cut:
+    `scales_per_element`)."""
     fp8 = is_fp8(params)
     if fp8:
         params = scales_per_element(params, config, layout, expand_arrays)
-    shardings = param_shardings(config, layout, fp8)
+    shardings = param_shardings(config, layout, fp8, form)
     check_divisible(params, shardings)
     return jax.device_put(params, shardings)
 

@@ -108,6 +108,51 @@ def equal_to_one_device():
     return out
 
 
+def train_step_equal_to_one_device():
+    """A training step (AdamW) of the train form on every layout against one device: the loss, every
+    gradient, the updated parameters (in units of the learning rate) and where they live."""
+    import optax
+
+    from glm5next_jax import train
+    from glm5next_jax.params import param_axes
+
+    config, _ = model()
+    params = glm5next_jax.init_params(config, jax.random.key(1), dtype="float32", form="train")
+    ids = np.random.default_rng(3).integers(2, config.vocab_size, (BATCH, 20)).astype(np.int32)
+    mask = (np.arange(20)[None] >= np.arange(BATCH)[:, None] % 3).astype(np.int32)  # left padding
+    lr = 1e-3
+    optimizer = optax.adamw(lr)
+    step = jax.jit(train.train_step, static_argnames=train.STATIC)
+
+    def run(params, layout=None):
+        loss_of = lambda p: train.next_token_loss(train.inference_params(p, config), config, ids, mask, layout=layout)  # noqa: E731
+        loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
+        state, _ = step(train.init_train_state(params, optimizer), ids, mask, config=config, optimizer=optimizer,
+                        layout=layout)
+        return loss, grads, state.params
+
+    want_loss, want_grads, want_params = run(params)
+    out = {}
+    for spec in LAYOUTS:
+        layout = make_layout(spec)
+        loss, grads, stepped = run(shard_params(params, config, layout, form="train"), layout)
+        shardings = layout.shardings(param_axes(config, form="train"))
+        pairs = [(np.asarray(g, np.float64), np.asarray(w, np.float64))
+                 for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))]
+        out[spec] = {
+            "loss": abs(float(loss) / float(want_loss) - 1),
+            "gradients_all": float(np.sqrt(sum(np.sum((g - w) ** 2) for g, w in pairs) / sum(np.sum(w**2) for _, w in pairs))),
+            "gradients": max(float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / max(np.linalg.norm(np.asarray(w)), 1e-30))
+                             for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))),
+            "params_in_lr": max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) / lr
+                                for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(want_params))),
+            "misplaced_params": [jax.tree_util.keystr(path) for (path, leaf), want in
+                                 zip(jax.tree_util.tree_leaves_with_path(stepped), jax.tree.leaves(shardings))
+                                 if not leaf.sharding.is_equivalent_to(want, leaf.ndim)],
+        }
+    return out
+
+
 def fp8_equal_to_one_device():
     """The FP8 form (W8A8; fp32 elsewhere) on every layout against one device: each token's forward
     logits, and how its float8 weights are spread; the experts 1024 wide so that each layout cuts them

@@ -270,3 +270,14 @@ def test_two_processes_equal_one(tmp_path):
     two, one = np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy")
     error = record("two processes vs one: prefill and decode logits", float(np.abs(two - one).max() / np.abs(one).max()))
     assert error < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["tp:8", "tp-ep:8", "dp-ep:8", "3d:2x2x2"])
+def test_train_step_on_every_layout_equals_one_device(layout):
+    """One AdamW step of the train form on 8 host devices against one device: the loss, the gradients
+    (all together, and the worst tensor's relative L2), the stepped parameters (within 5% of the
+    learning rate: an update is about lr x sign(g)) and their placement."""
+    r = sharded_run("train_step_equal_to_one_device")[layout]
+    record(f"train step {layout}: gradients vs one device", r["gradients_all"])
+    assert r["loss"] < 1e-5 and r["gradients_all"] < 1e-5 and r["gradients"] < 3e-5, r
+    assert r["params_in_lr"] < 0.05 and r["misplaced_params"] == [], r
