@@ -3,6 +3,8 @@
     save_params(path, params, config)        -> path/params (orbax), path/glm5next.json
     config, params = restore_params(path, shardings=None)
     save_cache(path, cache); cache = restore_cache(path, shardings=None)
+    save_train_state(path, state, config, data_position)
+    config, state, data_position = restore_train_state(path, like)
 
 `shardings` is a tree of jax.sharding.Sharding matching the restored tree (e.g. from
 sharding.param_shardings(config, layout) or layout.shardings(cache_axes(cache))); None restores onto
@@ -155,6 +157,43 @@ def restore_params(path, shardings=None, *, layout=None):
         shardings = param_shardings(config, layout)
     target = _with_shardings(param_shapes(config, meta["dtype"]), shardings)
     return config, _restore(os.path.join(path, "params"), target)
+
+
+TRAIN_META = "glm5next-train.json"  # written last into a saved train state's folder
+
+
+def save_train_state(path, state, config: Config, data_position: int = 0):
+    """A training run's state (`train.TrainState`: params, optimizer state, step) with its config and
+    how far into the data it is (`data_position`, e.g. examples consumed), into the folder `path`,
+    replacing a state there only once this one is complete."""
+    if isinstance(data_position, bool) or not isinstance(data_position, int) or data_position < 0:
+        raise InputError(f"data_position must be an int >= 0, got {data_position!r}")
+
+    def write(folder):
+        _save_tree(os.path.join(folder, "state"), state)
+        if jax.process_index() == 0:
+            with open(os.path.join(folder, TRAIN_META), "w") as f:
+                json.dump({"config": config.to_dict(), "data_position": data_position}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+
+    write_atomically(path, TRAIN_META, write)
+
+
+def restore_train_state(path, like):
+    """(config, state, data_position) saved by save_train_state; `like` is a state of the same
+    structure (e.g. `train.init_train_state` of the same params and optimizer, or its
+    `jax.eval_shape`) whose leaves' shapes, dtypes and shardings the restored leaves take."""
+    path = _readable(path)
+    if not os.path.exists(os.path.join(path, TRAIN_META)):
+        raise MissingFileError(f"{path} is not a train state written by save_train_state: no {TRAIN_META} in it")
+    with open(os.path.join(path, TRAIN_META)) as f:
+        meta = json.load(f)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default), like
+    )
+    return Config(**meta["config"]), _restore(os.path.join(path, "state"), target), meta["data_position"]
 
 
 def save_cache(path, cache):

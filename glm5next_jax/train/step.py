@@ -68,7 +68,7 @@ def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Con
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     updates = jax.tree.map(lambda u, keep: u if keep else jnp.zeros_like(u), updates, trainable(state.params))
     params = optax.apply_updates(state.params, updates)
-    return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
 STATIC = ("config", "optimizer", "implementation", "interpret", "layout")

@@ -9,7 +9,7 @@ import optax
 import pytest
 from conftest import golden_case, load_model, model_path
 
-from glm5next_jax import load_checkpoint, train
+from glm5next_jax import load_checkpoint, store, train
 from glm5next_jax.errors import InputError
 from glm5next_jax.params import param_spec
 
@@ -77,3 +77,31 @@ def test_bad_forms_are_named(goldens):
         load_checkpoint(model_path(goldens, "shipped"), form="train", weights="fp8")
     with pytest.raises(ValueError, match="no fp8"):
         param_spec(load_model(model_path(goldens, "shipped"), "float32")[0], fp8=True, form="train")
+
+
+def test_a_resumed_run_equals_an_unbroken_one(shipped_train_form, tmp_path):
+    """Four AdamW steps unbroken, against two, save_train_state, restore into a fresh state's
+    structure, and two more: bit for bit, the step count and the data position carried."""
+    config, params = shipped_train_form
+    rng = np.random.default_rng(5)
+    batches = [rng.integers(2, config.vocab_size, (2, 16)) for _ in range(4)]
+    optimizer = optax.adamw(1e-2)
+    step = jax.jit(train.train_step, static_argnames=train.STATIC)
+
+    def run(state, batches):
+        for ids in batches:
+            state, _ = step(state, ids, config=config, optimizer=optimizer)
+        return state
+
+    unbroken = run(train.init_train_state(params, optimizer), batches)
+    first = run(train.init_train_state(params, optimizer), batches[:2])
+    store.save_train_state(tmp_path / "run", first, config, data_position=2)
+    restored_config, restored, position = store.restore_train_state(tmp_path / "run",
+                                                                    train.init_train_state(params, optimizer))
+    assert restored_config == config and position == 2 and int(restored.step) == 2
+    resumed = run(restored, batches[position:])
+    assert jax.tree.structure(resumed) == jax.tree.structure(unbroken)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(unbroken), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(InputError, match="data_position must be an int >= 0"):
+        store.save_train_state(tmp_path / "bad", first, config, data_position=-1)
