@@ -92,17 +92,34 @@ def embed(params, input_ids, config: Config, layout=None):
     return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], config.hc_mult, x.shape[-1]))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret", "layout", "return_internals"))
+# What a layer keeps for the backward pass (`forward`'s remat): everything, nothing (recomputed), or
+# the products of its matmuls.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "implementation", "interpret", "layout", "return_internals", "remat")
+)
 def _forward(
     params, config: Config, input_ids, attention_mask, implementation=None, interpret=False, layout=None,
-    return_internals=False,
+    return_internals=False, remat="none",
 ):
     padding_mask = attention_mask.astype(jnp.bool_)
     streams = embed(params, input_ids, config, layout)
     indices, internals = None, []
     for i, p in enumerate(params["layers"]):
-        attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout)
-        streams, indices, inside = decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
+
+        def layer(p, streams, padding_mask, indices, i=i):
+            attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout)
+            return decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
+
+        if remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+        streams, indices, inside = layer(p, streams, padding_mask, indices)
         internals.append(inside if indices is None else dict(inside, selected=indices))
     logits = final_logits(params, streams, config, layout)
     return (logits, internals) if return_internals else logits
@@ -110,7 +127,7 @@ def _forward(
 
 def forward(
     params, config: Config, input_ids, attention_mask=None, *, implementation=None, interpret=False, layout=None,
-    return_internals=False,
+    return_internals=False, remat="none",
 ):
     """Logits [B, T, vocab] (fp32) for int token ids [B, T] and an optional 0/1 mask [B, T].
 
@@ -130,7 +147,13 @@ def forward(
     each query's selected token indices [B, T, W], -1 for none; a shared layer's are its
     neighbour's) and `routing` (MoE layers: `weights` and `experts` [B, T, k]; expert e is in group
     e // config.experts_per_group).
+
+    remat (for training: what a layer keeps for the backward pass, `REMAT_POLICIES`): "none" (all
+    its intermediates), "full" (only its inputs: the layer is recomputed) or "dots" (its matmuls'
+    outputs). The values are the same whichever.
     """
+    if remat not in REMAT_POLICIES:
+        raise InputError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
     check_token_batch(input_ids, attention_mask, config.vocab_size)
     input_ids = jnp.asarray(input_ids)
     if attention_mask is None or input_ids.shape[1] == 1:
@@ -139,7 +162,8 @@ def forward(
     input_ids, attention_mask = input_ids.astype(jnp.int32), jnp.asarray(attention_mask)
     if layout is not None:
         input_ids, attention_mask = shard_batch(input_ids, layout), shard_batch(attention_mask, layout)
-    return _forward(params, config, input_ids, attention_mask, implementation, bool(interpret), layout, bool(return_internals))
+    return _forward(params, config, input_ids, attention_mask, implementation, bool(interpret), layout,
+                    bool(return_internals), remat)
 
 
 def check_token_batch(input_ids, attention_mask, vocab_size):

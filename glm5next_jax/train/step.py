@@ -54,15 +54,17 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
 
 
 def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Config,
-               optimizer: optax.GradientTransformation, implementation=None, interpret=False, layout=None):
+               optimizer: optax.GradientTransformation, implementation=None, interpret=False, layout=None,
+               remat="none"):
     """(next state, {"loss", "grad_norm"}): one step of `optimizer` on `next_token_loss` of the batch
     (input_ids [B, T], attention_mask 0/1 [B, T] or None), the frozen leaves' updates zeroed. Jit it
     with config, optimizer, implementation, interpret and layout static (`jax.jit(train_step,
     static_argnames=STATIC)`). layout (`sharding.Layout`): the mesh the params are placed on
-    (`sharding.shard_params(..., form="train")`); the batch is split as its rules say."""
+    (`sharding.shard_params(..., form="train")`); the batch is split as its rules say. remat: what
+    each layer keeps for the backward pass (`model.REMAT_POLICIES`: "none", "full", "dots")."""
     def loss_of(params):
         return next_token_loss(inference_params(params, config), config, input_ids, attention_mask,
-                               implementation=implementation, interpret=interpret, layout=layout)
+                               implementation=implementation, interpret=interpret, layout=layout, remat=remat)
 
     loss, grads = jax.value_and_grad(loss_of)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -71,4 +73,4 @@ def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Con
     return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
-STATIC = ("config", "optimizer", "implementation", "interpret", "layout")
+STATIC = ("config", "optimizer", "implementation", "interpret", "layout", "remat")

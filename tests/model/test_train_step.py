@@ -3,6 +3,7 @@ loader's inference form, its gradients against `checkpoint_gradients` (torch-key
 autograd elsewhere), overfitting one batch, and the frozen leaves."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -105,3 +106,32 @@ def test_a_resumed_run_equals_an_unbroken_one(shipped_train_form, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(InputError, match="data_position must be an int >= 0"):
         store.save_train_state(tmp_path / "bad", first, config, data_position=-1)
+
+
+def _primitives(jaxpr):
+    """Every primitive's name in a (closed) jaxpr, sub-jaxprs included."""
+    names = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        names.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_keeps_the_values_and_checkpoints_each_layer(shipped_train_form, remat):
+    config, params = shipped_train_form
+    ids = np.random.default_rng(6).integers(2, config.vocab_size, (2, 40))
+
+    def loss_of(remat):
+        return lambda p: train.next_token_loss(train.inference_params(p, config), config, ids, remat=remat)
+
+    (loss, grads), (want_loss, want) = (jax.jit(jax.value_and_grad(loss_of(r)))(params) for r in (remat, "none"))
+    assert abs(float(loss) / float(want_loss) - 1) < 1e-6
+    total = np.sqrt(sum(float(jnp.sum((g - w) ** 2)) for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)))
+                    / sum(float(jnp.sum(w**2)) for w in jax.tree.leaves(want)))
+    assert total < 1e-5, total
+    names = _primitives(jax.make_jaxpr(jax.grad(loss_of(remat)))(params))
+    assert sum("remat" in n or "checkpoint" in n for n in names) == config.num_hidden_layers
+    with pytest.raises(InputError, match="remat must be one of"):
+        train.next_token_loss(train.inference_params(params, config), config, ids, remat="some")
