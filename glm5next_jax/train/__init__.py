@@ -2,10 +2,11 @@
 gradients of a checkpoint's own tensors keyed as transformers'."""
 
 from .gradients import checkpoint_gradients, module_named_tensors, params_of_tensors
-from .loss import next_token_loss
-from .step import STATIC, TrainState, inference_params, init_train_state, train_step, trainable
+from .loss import expert_loads, next_token_loss, token_loss
+from .step import STATIC, TrainState, balance_router, inference_params, init_train_state, train_step, trainable
 
 __all__ = [
-    "STATIC", "TrainState", "checkpoint_gradients", "inference_params", "init_train_state", "module_named_tensors",
-    "next_token_loss", "params_of_tensors", "train_step", "trainable",
+    "STATIC", "TrainState", "balance_router", "checkpoint_gradients", "expert_loads", "inference_params",
+    "init_train_state", "module_named_tensors", "next_token_loss", "params_of_tensors", "token_loss", "train_step",
+    "trainable",
 ]

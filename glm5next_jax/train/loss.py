@@ -19,9 +19,21 @@ def next_token_loss(params, config: Config, input_ids, attention_mask=None, *, i
         attention_mask = jnp.ones(jnp.shape(input_ids), jnp.int32)
     logits = forward(params, config, input_ids, attention_mask, implementation=implementation, interpret=interpret,
                      layout=layout, remat=remat)
+    return token_loss(logits, input_ids, attention_mask)
+
+
+def token_loss(logits, input_ids, attention_mask):
+    """`next_token_loss` from the forward's logits [B, T, vocab]."""
     log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     targets = jnp.asarray(input_ids)[:, 1:, None].astype(jnp.int32)
     picked = jnp.take_along_axis(log_probs, targets, axis=-1)[..., 0]
     mask = jnp.asarray(attention_mask).astype(jnp.bool_)
     counted = mask[:, :-1] & mask[:, 1:]
     return -jnp.sum(jnp.where(counted, picked, 0.0)) / jnp.maximum(jnp.sum(counted), 1)
+
+
+def expert_loads(experts, attention_mask, n_experts: int):
+    """Tokens routed to each expert [E] (fp32) from a MoE layer's choices [B, T, k] (`forward`'s
+    internals), real tokens (mask 1) only."""
+    real = jnp.asarray(attention_mask).astype(jnp.float32)[..., None, None]
+    return jnp.sum(jax.nn.one_hot(experts, n_experts, dtype=jnp.float32) * real, axis=(0, 1, 2))

@@ -3,7 +3,9 @@ the forward's absorbed DSA projections computed from the checkpoint's, the loss,
 
 Frozen, as transformers trains the model: the indexer (its only way to the loss is the discrete
 selection) and the router's selection bias (moved by the release's load balancing, not by
-gradients): their updates are zero whatever the optimizer.
+gradients): their optimizer updates are zero. The balancing is DeepSeek-V3's auxiliary-loss-free
+rule: after each step every MoE layer's bias moves by `router_bias_rate` towards balance, up for an
+expert that got fewer of the batch's real tokens than the mean, down for more (0: kept as loaded).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import optax
 
 from ..checkpoint import absorb_o, absorb_q
 from ..config import Config
-from .loss import next_token_loss
+from ..model import forward
+from .loss import expert_loads, token_loss
 
 
 class TrainState(NamedTuple):
@@ -53,24 +56,47 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
     return TrainState(params, optimizer.init(params), jnp.int32(0))
 
 
+def balance_router(params, loads, rate):
+    """params with each MoE layer's router_bias moved by rate x sign(mean load - load) (`loads`:
+    layer index -> tokens per expert [E])."""
+    layers = list(params["layers"])
+    for i, load in loads.items():
+        mlp = dict(layers[i]["mlp"])
+        bias = mlp["router_bias"]
+        mlp["router_bias"] = (bias + rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
+        layers[i] = {**layers[i], "mlp": mlp}
+    return {**params, "layers": layers}
+
+
 def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Config,
                optimizer: optax.GradientTransformation, implementation=None, interpret=False, layout=None,
-               remat="none"):
-    """(next state, {"loss", "grad_norm"}): one step of `optimizer` on `next_token_loss` of the batch
-    (input_ids [B, T], attention_mask 0/1 [B, T] or None), the frozen leaves' updates zeroed. Jit it
-    with config, optimizer, implementation, interpret and layout static (`jax.jit(train_step,
-    static_argnames=STATIC)`). layout (`sharding.Layout`): the mesh the params are placed on
-    (`sharding.shard_params(..., form="train")`); the batch is split as its rules say. remat: what
-    each layer keeps for the backward pass (`model.REMAT_POLICIES`: "none", "full", "dots")."""
-    def loss_of(params):
-        return next_token_loss(inference_params(params, config), config, input_ids, attention_mask,
-                               implementation=implementation, interpret=interpret, layout=layout, remat=remat)
+               remat="none", router_bias_rate=0.0):
+    """(next state, metrics): one step of `optimizer` on `next_token_loss` of the batch (input_ids
+    [B, T], attention_mask 0/1 [B, T] or None), the frozen leaves' updates zeroed, then the routers'
+    balancing by `router_bias_rate`. metrics: "loss", "grad_norm" and "expert_load_imbalance" (the
+    largest expert load over the mean, the worst MoE layer; 0 without one). Jit it with STATIC
+    static (`jax.jit(train_step, static_argnames=STATIC)`). layout (`sharding.Layout`): the mesh
+    the params are placed on (`sharding.shard_params(..., form="train")`); the batch is split as its
+    rules say. remat: what each layer keeps for the backward pass (`model.REMAT_POLICIES`)."""
+    if attention_mask is None:
+        attention_mask = jnp.ones(jnp.shape(input_ids), jnp.int32)
 
-    loss, grads = jax.value_and_grad(loss_of)(state.params)
+    def loss_of(params):
+        logits, internals = forward(inference_params(params, config), config, input_ids, attention_mask,
+                                    implementation=implementation, interpret=interpret, layout=layout,
+                                    return_internals=True, remat=remat)
+        loads = {i: expert_loads(inside["routing"]["experts"], attention_mask, config.n_routed_experts)
+                 for i, inside in enumerate(internals) if "routing" in inside}
+        return token_loss(logits, input_ids, attention_mask), loads
+
+    (loss, loads), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     updates = jax.tree.map(lambda u, keep: u if keep else jnp.zeros_like(u), updates, trainable(state.params))
-    params = optax.apply_updates(state.params, updates)
-    return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    params = balance_router(optax.apply_updates(state.params, updates), loads, router_bias_rate)
+    ratios = [jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9) for load in loads.values()]
+    imbalance = jnp.max(jnp.stack(ratios)) if ratios else jnp.float32(0)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "expert_load_imbalance": imbalance}
+    return TrainState(params, opt_state, state.step + 1), metrics
 
 
-STATIC = ("config", "optimizer", "implementation", "interpret", "layout", "remat")
+STATIC = ("config", "optimizer", "implementation", "interpret", "layout", "remat")  # router_bias_rate: a value

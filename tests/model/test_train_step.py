@@ -10,7 +10,7 @@ import optax
 import pytest
 from conftest import golden_case, load_model, model_path
 
-from glm5next_jax import load_checkpoint, store, train
+from glm5next_jax import forward, load_checkpoint, store, train
 from glm5next_jax.errors import InputError
 from glm5next_jax.params import param_spec
 
@@ -135,3 +135,30 @@ def test_remat_keeps_the_values_and_checkpoints_each_layer(shipped_train_form, r
     assert sum("remat" in n or "checkpoint" in n for n in names) == config.num_hidden_layers
     with pytest.raises(InputError, match="remat must be one of"):
         train.next_token_loss(train.inference_params(params, config), config, ids, remat="some")
+
+
+def test_router_balancing_moves_each_bias_towards_balance(shipped_train_form):
+    """With router_bias_rate r, each MoE layer's bias moves by r x sign(mean load - load), the loads
+    counted independently from the forward's routing over the real tokens; the rest of the step is
+    the same as with r = 0."""
+    config, params = shipped_train_form
+    ids = np.random.default_rng(7).integers(2, config.vocab_size, (2, 30))
+    mask = np.ones_like(ids)
+    mask[0, :6] = 0
+    optimizer = optax.sgd(0.0)  # the parameters stay: only the balancing moves
+    step = jax.jit(train.train_step, static_argnames=train.STATIC)
+    state = train.init_train_state(params, optimizer)
+    moved, metrics = step(state, ids, mask, config=config, optimizer=optimizer, router_bias_rate=0.01)
+    kept, _ = step(state, ids, mask, config=config, optimizer=optimizer, router_bias_rate=0.0)
+    _, internals = forward(train.inference_params(params, config), config, ids, mask, return_internals=True)
+    sparse = [i for i, t in enumerate(config.mlp_layer_types) if t == "sparse"]
+    assert sparse
+    worst = 0.0
+    for i in sparse:
+        experts = np.asarray(internals[i]["routing"]["experts"])[mask.astype(bool)]
+        load = np.bincount(experts.reshape(-1), minlength=config.n_routed_experts).astype(np.float64)
+        bias_of = lambda p: np.asarray(p["layers"][i]["mlp"]["router_bias"])  # noqa: E731
+        np.testing.assert_allclose(bias_of(moved.params) - bias_of(params), 0.01 * np.sign(load.mean() - load), atol=1e-7)
+        np.testing.assert_array_equal(bias_of(kept.params), bias_of(params))
+        worst = max(worst, load.max() / load.mean())
+    np.testing.assert_allclose(float(metrics["expert_load_imbalance"]), worst, rtol=1e-6)
