@@ -3,12 +3,11 @@ expert-tiled row layout) against jla 0.1.0 `ragged_dot`, JAX's Pallas `ragged_do
 `lax.ragged_dot`, at GLM-5.3's shapes (288 experts, 8 per token, hidden 4096, expert width 2048):
 gate_up K = 4096, N = 4096 and down K = 2048, N = 4096, for 8, 64, 1024 and 8192 tokens, each token
 routed to 8 distinct experts drawn uniformly. Then the whole MoE layer (`layers.mlp.moe`, random
-router) with the kernel and with the reference. Then the GEMMs' backward (the rows' and the weights'
-gradients; op `moe_gemm_backward`). Then the same GEMMs with block-scaled FP8 operands
+router) with the kernel and with the reference (the GEMMs' backward: bench/train.py). Then the same
+GEMMs with block-scaled FP8 operands
 (W8A8: weights e4m3 in 128 x 128 blocks, rows in 1 x 128 groups, as the release runs them).
 
-    python -m bench.moe [--tokens 8,64,1024,8192] [--skip gemm,layer,grad,fp8] [--no-peers] [--configs 128x128x64x4]
-        [--grad-tokens 1024,8192]
+    python -m bench.moe [--tokens 8,64,1024,8192] [--skip gemm,layer,fp8] [--no-peers] [--configs 128x128x64x4]
         [--fp8-tokens 64,8192] [--fp8-stages 3,4] [--fp8-clusters 1,2] [--fp8-cols 256] [--fp8-no-overlap]
         [--results bench/results.jsonl]
 
@@ -184,91 +183,6 @@ def bench_layer(token_counts, results):
             )
 
 
-def outer_sampled_error(d_w, x_rows, d_out_rows, sizes, rng):
-    """d_w [G, K, N] against fp32 x_g^T d_out_g for 8 nonempty experts."""
-    starts = np.cumsum(sizes) - sizes
-    worst = 0.0
-    for g in rng.choice(np.flatnonzero(sizes), size=min(8, np.count_nonzero(sizes)), replace=False):
-        rows = slice(int(starts[g]), int(starts[g] + sizes[g]))
-        want = np.asarray(jnp.dot(x_rows[rows].astype(jnp.float32).T, d_out_rows[rows].astype(jnp.float32),
-                                  precision="highest"))
-        worst = max(worst, float(np.abs(np.asarray(d_w[g], np.float32) - want).max() / np.abs(want).max()))
-    return worst
-
-
-def bench_grads(token_counts, skip_peers, results):
-    """The grouped GEMM's backward alone (the rows' and the weights' gradients from the output's
-    cotangent): ours through its custom_vjp, the weights' gradient alone, jla's ragged_dot backward and
-    XLA's ragged_dot transposes; roofline 2x the forward's FLOPs, bytes x, d_out, w read, d_x and d_w
-    written."""
-    log("\n| tokens | GEMM backward | implementation | ms | TFLOP/s | x roofline | d_w error |")
-    log("| --- | --- | --- | --- | --- | --- | --- |")
-    key = jax.random.key(3)
-    for name, (k, n) in GEMMS.items():
-        w = (jax.random.normal(jax.random.fold_in(key, k), (EXPERTS, k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
-        for tokens in token_counts:
-            sizes = routed_rows(tokens)
-            rows, used = int(sizes.sum()), int(np.count_nonzero(sizes))
-            x = jax.random.normal(jax.random.fold_in(key, tokens), (rows, k), jnp.bfloat16)
-            d_out = jax.random.normal(jax.random.fold_in(key, tokens + 1), (rows, n), jnp.bfloat16)
-            flops = 4 * rows * k * n
-            data = 2 * (used * k * n * 2 + rows * (k + n) * 2)
-            roof = max(flops / MATMUL, data / HBM) * 1e3
-            # d_w alone: half the FLOPs; every expert's gradient written (zeros for the unused), rows read
-            outer_flops, outer_data = 2 * rows * k * n, EXPERTS * k * n * 2 + rows * (k + n) * 2
-            outer_roof = max(outer_flops / MATMUL, outer_data / HBM) * 1e3
-            implementation, config = moe_gemm.plan(None, x, (w,), rows=rows)
-            tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, config.block_rows)
-            m = tiles.tile_experts.shape[0] * config.block_rows
-            x_tiled = jnp.zeros((m, k), x.dtype).at[tiles.slots].set(x)
-            d_out_tiled = jnp.zeros((m, n), x.dtype).at[tiles.slots].set(d_out)
-
-            def ours_vjp(x, w, d_out, te, used_tiles):
-                f = functools.partial(moe_gemm.grouped_matmul, implementation=implementation, config=config)
-                return jax.vjp(lambda x, w: f(x, w, te, used_tiles), x, w)[1](d_out)
-
-            args = (x_tiled, w, d_out_tiled, tiles.tile_experts, tiles.used_tiles)
-            runs = {f"ours ({implementation}, d_x and d_w)": (functools.partial(jax.jit(ours_vjp), *args), lambda g: g[1])}
-            outer = jax.jit(functools.partial(moe_gemm.expert_outer_products, experts=EXPERTS,
-                                              config=moe_gemm.OuterConfig(block_rows=config.block_rows)))
-            runs["ours, d_w alone (expert_outer_products)"] = (
-                functools.partial(outer, x_tiled, d_out_tiled, tiles.tile_experts, tiles.used_tiles), lambda g: g)
-            if not skip_peers:
-                try:
-                    from jla.ops.mosaic_gpu import ragged_dot as jla_rd
-
-                    f = jax.jit(lambda x, w, d, s: jax.vjp(lambda x, w: jla_rd.ragged_dot(x, w, s), x, w)[1](d))
-                    runs["jla ragged_dot backward"] = (lambda f=f: f(x, w, d_out, jnp.asarray(sizes)), lambda g: g[1])
-                except Exception:
-                    traceback.print_exc()
-                if tokens <= 1024:
-                    f = jax.jit(lambda x, w, d, s: jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, s), x, w)[1](d))
-                    runs["xla lax.ragged_dot backward"] = (lambda f=f: f(x, w, d_out, jnp.asarray(sizes)), lambda g: g[1])
-            timed = {}
-            for label, (call, d_w_of) in runs.items():
-                try:
-                    out = jax.block_until_ready(call())
-                    err = outer_sampled_error(d_w_of(out), x, d_out, sizes, np.random.default_rng(1))
-                    del out
-                    ms = dispatched_ms(call)
-                    timed[label] = (ms, err)
-                    f, r = (outer_flops, outer_roof) if "d_w alone" in label else (flops, roof)
-                    log(f"| {tokens} | {name} | {label} | {ms:.3f} | {f / ms / 1e9:.0f} | {ms / r:.2f} | {err:.1e} |")
-                except Exception as e:
-                    log(f"| {tokens} | {name} | {label} | failed: {type(e).__name__}: {str(e)[:160]} | | | |")
-            log(f"| {tokens} | {name} | roofline | {roof:.3f} | | 1.00 | |")
-            log(f"| {tokens} | {name} | roofline, d_w alone | {outer_roof:.3f} | | 1.00 | |")
-            ours = [label for label in timed if label.startswith("ours (")]
-            if ours:
-                results.add(
-                    "moe_gemm_backward", f"{name} K={k} N={n}, {tokens} tokens", timed[ours[0]][0],
-                    metric="median ms a call (d_x and d_w), 20 jitted calls dispatched back to back",
-                    peers={label: ms for label, (ms, _) in timed.items() if not label.startswith("ours")},
-                    baselines={label: ms for label, (ms, _) in timed.items() if label.startswith("ours, ")},
-                    roofline=roof, implementation=ours[0], error=timed[ours[0]][1],
-                )
-
-
 def fp8_operands(k, n, key):
     """Weights [G, N, K] e4m3 with [G, N / 128, K / 128] scales, drawn directly (quantizing 4.8 G
     values would need tens of GB): e4m3 values of a normal law over +-448, scales near 0.02 / 64."""
@@ -385,8 +299,7 @@ def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, skip_peers
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="8,64,1024,8192", help="token counts, comma-separated")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, layer, grad, fp8")
-    parser.add_argument("--grad-tokens", default="1024,8192", help="token counts of the backward GEMMs")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, layer, fp8")
     parser.add_argument("--fp8-tokens", default="64,8192", help="token counts of the FP8 GEMMs")
     parser.add_argument("--fp8-stages", default="", help="more pipeline depths of the FP8 kernel, comma-separated")
     parser.add_argument("--fp8-clusters", default="", help="more cluster sizes of the FP8 kernel, comma-separated")
@@ -406,8 +319,6 @@ def main():
         bench_gemms(token_counts, args.no_peers, [parse_config(c) for c in args.configs.split(",") if c], results)
     if "layer" not in args.skip:
         bench_layer(token_counts, results)
-    if "grad" not in args.skip:
-        bench_grads([int(t) for t in args.grad_tokens.split(",")], args.no_peers, results)
     if "fp8" not in args.skip:
         stages = [int(v) for v in args.fp8_stages.split(",") if v]
         clusters = [int(v) for v in args.fp8_clusters.split(",") if v]

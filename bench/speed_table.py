@@ -25,6 +25,8 @@ OPS = {  # op: (title, the benchmark that measures it), in the README's order; o
     "moe_layer": ("MoE layer (`layers.mlp.moe`, routed experts; GLM-5.3's widths)", "moe"),
     "moe_gemm_fp8": ("MoE grouped GEMM, block-scaled FP8 (`moe_gemm.grouped_matmul_fp8`; W8A8, 288 experts)", "moe"),
     "moe_gemm_backward": ("MoE grouped GEMM's backward (`jax.vjp` of `moe_gemm.grouped_matmul`: d_x and d_w)", "moe"),
+    "moe_gemm_bwd": ("MoE grouped GEMM's backward, each product (d_lhs: `grouped_matmul(transposed=True)`, d_rhs:"
+                     " `expert_outer_products`)", "train"),
     "fp8_dense_gemm": ("Dense W8A8 projections (`layers.common.fp8_linear`; the release's converted shapes)", "fp8_dense"),
     "latent_attention": ("DSA latent attention (`latent_attention.sparse_latent_attention`; 64 heads, 2051 selected)", "dsa"),
     "select_tokens": ("DSA token selection (`select_tokens.select_tokens`; 32 index heads, top-k 2048 in pools of 4)",

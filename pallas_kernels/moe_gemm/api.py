@@ -70,9 +70,10 @@ def expert_tiles(group_sizes, rows: int, block_rows: int) -> ExpertTiles:
     return ExpertTiles(slots, jnp.minimum(tile_experts, experts - 1).astype(jnp.int32), tile_ends[-1])
 
 
-def _check(x, weights, tile_experts, used_tiles):
-    if x.ndim != 2 or weights.ndim != 3 or x.shape[1] != weights.shape[1]:
-        raise ValueError(f"grouped_matmul: x [M, K] and weights [G, K, N] expected, got {x.shape} and {weights.shape}")
+def _check(x, weights, tile_experts, used_tiles, transposed=False):
+    if x.ndim != 2 or weights.ndim != 3 or x.shape[1] != weights.shape[2 if transposed else 1]:
+        expected = "[G, N, K] (transposed)" if transposed else "[G, K, N]"
+        raise ValueError(f"grouped_matmul: x [M, K] and weights {expected} expected, got {x.shape} and {weights.shape}")
     if tile_experts.ndim != 1 or tile_experts.shape[0] == 0 or x.shape[0] % tile_experts.shape[0]:
         raise ValueError(
             f"grouped_matmul: tile_experts must be [T] with x's {x.shape[0]} rows a multiple of T, got {tile_experts.shape}"
@@ -113,23 +114,31 @@ def plan(implementation, x, weights, *, rows: int, interpret=False):
 
 
 def grouped_matmul(
-    x, weights, tile_experts, used_tiles, *, implementation=None, config: GemmConfig = GemmConfig(), interpret=False
+    x, weights, tile_experts, used_tiles, *, implementation=None, config: GemmConfig = GemmConfig(), interpret=False,
+    transposed=False,
 ):
     """x [T * block_rows, K] rows in the tiled layout of `expert_tiles`, weights [G, K, N],
     tile_experts [T] int32, used_tiles [] int32 -> [T * block_rows, N] in x.dtype (fp32 accumulation).
 
     Rows of tiles past `used_tiles` are not computed (zero from the reference, unwritten by the kernel).
     The kernel needs block_rows == config.block_rows. `interpret`: True or `plgpu.InterpretGPUParams`
-    runs the kernel in Pallas' interpreter.
+    runs the kernel in Pallas' interpreter. transposed: weights come [G, N, K] and each row takes
+    its expert's weight transposed (the rows' gradient of the forward, the weights read in place); the
+    kernel's transposed form has no gradient of its own.
     """
-    _check(x, weights, tile_experts, used_tiles)
-    impl = pick_implementation(implementation, _kernel_unsupported(x.dtype, weights, config), x.dtype, interpret=interpret)
+    _check(x, weights, tile_experts, used_tiles, transposed)
+    unsupported = _kernel_unsupported(x.dtype, weights, config, transposed)
+    impl = pick_implementation(implementation, unsupported, x.dtype, interpret=interpret)
     if impl == "reference":
-        return grouped_matmul_reference(x, weights, tile_experts, used_tiles)
+        w = jnp.swapaxes(weights, 1, 2) if transposed else weights
+        return grouped_matmul_reference(x, w, tile_experts, used_tiles)
     if x.shape[0] != tile_experts.shape[0] * config.block_rows:
         raise ValueError(
             f"grouped_matmul: x must have T * block_rows = {tile_experts.shape[0]} * {config.block_rows} rows, got {x.shape[0]}"
         )
+    if transposed:
+        return grouped_matmul_kernel(x, weights, tile_experts.astype(jnp.int32), used_tiles, config=config,
+                                     interpret=interpret, sms=_sms(interpret), transposed=True)
     return _grouped_matmul_kernel(x, weights, tile_experts.astype(jnp.int32), jnp.asarray(used_tiles), config, interpret)
 
 
@@ -155,13 +164,13 @@ def _grouped_matmul_kernel_bwd(config, interpret, residuals, d_out):
     not take go through the reference's vjp."""
     x, weights, tile_experts, used_tiles = residuals
     experts, k, n = weights.shape
-    transposed = GemmConfig(config.block_rows, 256 if k % 256 == 0 else 128, 64, config.stages)
+    d_x_config = GemmConfig(config.block_rows, 256 if k % 256 == 0 else 128, 64, config.stages)
     outer = OuterConfig(block_rows=config.block_rows)
-    if _kernel_unsupported(d_out.dtype, weights, transposed, transposed=True) or _outer_unsupported(x, d_out, outer):
+    if _kernel_unsupported(d_out.dtype, weights, d_x_config, transposed=True) or _outer_unsupported(x, d_out, outer):
         _, vjp = jax.vjp(lambda x, w: grouped_matmul_reference(x, w, tile_experts, used_tiles), x, weights)
         return (*vjp(d_out), None, None)
-    d_x = grouped_matmul_kernel(d_out, weights, tile_experts, used_tiles, config=transposed, interpret=interpret,
-                                sms=_sms(interpret), transposed=True)
+    d_x = grouped_matmul(d_out, weights, tile_experts, used_tiles, implementation="pallas", config=d_x_config,
+                         interpret=interpret, transposed=True)
     d_x = jnp.where(jnp.arange(x.shape[0])[:, None] < used_tiles * config.block_rows, d_x, 0)
     d_w = expert_outer_products(x, d_out, tile_experts, used_tiles, experts, implementation="pallas", config=outer,
                                 interpret=interpret)
