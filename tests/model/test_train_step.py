@@ -118,7 +118,7 @@ def _primitives(jaxpr):
     return names
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.slow)])
 def test_remat_keeps_the_values_and_checkpoints_each_layer(shipped_train_form, remat):
     config, params = shipped_train_form
     ids = np.random.default_rng(6).integers(2, config.vocab_size, (2, 40))
