@@ -32,6 +32,12 @@ def pick_implementation(implementation, unsupported, dtype, *, interpret=False):
     return implementation
 
 
+def ignore(*_, **__):
+    """A pipeline body or compute context that does nothing: what a warp-specialized pipeline is
+    built with to ask for its allocations (`get_allocations`) before the real one runs."""
+    return None
+
+
 def sm_count():
     """SMs of the default device (132, the H200's, where JAX does not say: CPU lowering for it)."""
     return getattr(jax.devices()[0], "core_count", None) or 132

@@ -20,6 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import ignore
+
 BLOCK_K = 128  # rows of the output a CTA: 64 a compute warpgroup
 
 
@@ -57,9 +59,6 @@ def _outer_kernel(first_tile_ref, tile_count_ref, x_ref, y_ref, o_ref, *, config
             max_concurrent_steps=config.stages,
             compute_context=context,
         )
-
-    def ignore(*_, **__):
-        return None
 
     out_transforms = transforms(bn)
 

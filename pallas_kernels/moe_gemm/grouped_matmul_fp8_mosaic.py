@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.block_fp8 import BLOCK
+from pallas_kernels.common import ignore
 
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = _WGMMA.reduce(1)
@@ -81,9 +82,6 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
             compute_context=context,
             pipeline_state=state,
         )
-
-    def ignore(*_, **__):
-        return None
 
     @functools.partial(
         pl.run_scoped,

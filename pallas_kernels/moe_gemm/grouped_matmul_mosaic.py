@@ -20,6 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import ignore
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
@@ -58,9 +60,6 @@ def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: Gem
             max_concurrent_steps=config.stages,
             compute_context=context,
         )
-
-    def ignore(*_, **__):
-        return None
 
     @functools.partial(
         pl.run_scoped,
