@@ -4,6 +4,7 @@ blocks of queries."""
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 HIGHEST = jax.lax.Precision.HIGHEST  # the references' products: fp32 accuracy on every backend
 IMPLEMENTATIONS = (None, "reference", "pallas")
@@ -36,6 +37,21 @@ def ignore(*_, **__):
     """A pipeline body or compute context that does nothing: what a warp-specialized pipeline is
     built with to ask for its allocations (`get_allocations`) before the real one runs."""
     return None
+
+
+def warpgroup_kernel(body, out_type, *, name, ctas, interpret, cluster=None):
+    """`plgpu.kernel` of `ctas` CTAs (grid axis "sm"), three warpgroups each (axis "wg": two compute
+    warpgroups and one that feeds them by TMA), in Warpgroup lowering; with `cluster`, CTAs in
+    clusters of that many (axis "cluster"). `interpret`: True or `plgpu.InterpretGPUParams` runs it
+    in Pallas' interpreter."""
+    clusters = {} if cluster is None else {"cluster": (cluster,), "cluster_names": ("cluster",)}
+    if interpret and not isinstance(interpret, plgpu.InterpretGPUParams):
+        interpret = plgpu.InterpretGPUParams()
+    return plgpu.kernel(
+        body, out_type=out_type, grid=(ctas,), grid_names=("sm",), **clusters, num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret or None, kernel_name=name,
+    )
 
 
 def sm_count():

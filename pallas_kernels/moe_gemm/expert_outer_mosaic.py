@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import ignore
+from pallas_kernels.common import ignore, warpgroup_kernel
 
 BLOCK_K = 128  # rows of the output a CTA: 64 a compute warpgroup
 
@@ -119,16 +119,9 @@ def _outer_kernel(first_tile_ref, tile_count_ref, x_ref, y_ref, o_ref, *, config
 def expert_outer_kernel(x, y, first_tile, tile_count, *, experts: int, config: OuterConfig, interpret, sms: int):
     """x [T * block_rows, K], y [T * block_rows, N], first_tile and tile_count [G] int32 (each expert's
     used tiles) -> [G, K, N] in y.dtype."""
-    kernel = plgpu.kernel(
+    kernel = warpgroup_kernel(
         functools.partial(_outer_kernel, config=config),
-        out_type=jax.ShapeDtypeStruct((experts, x.shape[1], y.shape[1]), y.dtype),
-        grid=(sms,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
-        if interpret else None,
-        kernel_name="moe_expert_outer",
+        jax.ShapeDtypeStruct((experts, x.shape[1], y.shape[1]), y.dtype),
+        name="moe_expert_outer", ctas=sms, interpret=interpret,
     )
     return kernel(first_tile, tile_count, x, y)

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.block_fp8 import BLOCK
-from pallas_kernels.common import ignore
+from pallas_kernels.common import ignore, warpgroup_kernel
 
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = _WGMMA.reduce(1)
@@ -165,19 +165,10 @@ def grouped_matmul_fp8_kernel(x, x_scales_t, weights, weight_scales, tile_expert
     """x [T * block_rows, K] fp8, x_scales_t [K / 128, T * block_rows] fp32 (scales K-block major: a
     step's row scales are one TMA row), weights [G, N, K] fp8, weight_scales [G, N / 128, K / 128]
     fp32 -> [T * block_rows, N] bf16."""
-    kernel = plgpu.kernel(
+    kernel = warpgroup_kernel(
         functools.partial(_kernel, config=config, ctas=sms // config.cluster),
-        out_type=jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.bfloat16),
-        grid=(sms // config.cluster,),
-        grid_names=("sm",),
-        cluster=(config.cluster,),
-        cluster_names=("cluster",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
-        if interpret else None,
-        kernel_name="moe_grouped_matmul_fp8",
+        jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.bfloat16),
+        name="moe_grouped_matmul_fp8", ctas=sms // config.cluster, interpret=interpret, cluster=config.cluster,
     )
     return kernel(
         tile_experts, jnp.reshape(used_tiles, (1,)).astype(jnp.int32), weight_scales, x, x_scales_t, weights

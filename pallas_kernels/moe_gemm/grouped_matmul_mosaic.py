@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import ignore
+from pallas_kernels.common import ignore, warpgroup_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,16 +115,9 @@ def grouped_matmul_kernel(
 ):
     """x [T * block_rows, K], weights [G, K, N] (or [G, N, K] `transposed`) -> [T * block_rows, N]."""
     n_tiles = tile_experts.shape[0]
-    kernel = plgpu.kernel(
+    kernel = warpgroup_kernel(
         functools.partial(_gemm_kernel, config=config, n_tiles=n_tiles, transposed=transposed),
-        out_type=jax.ShapeDtypeStruct((x.shape[0], weights.shape[1 if transposed else 2]), x.dtype),
-        grid=(sms,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams())
-        if interpret else None,
-        kernel_name="moe_grouped_matmul",
+        jax.ShapeDtypeStruct((x.shape[0], weights.shape[1 if transposed else 2]), x.dtype),
+        name="moe_grouped_matmul", ctas=sms, interpret=interpret,
     )
     return kernel(tile_experts, jnp.reshape(used_tiles, (1,)).astype(jnp.int32), x, weights)
