@@ -9,6 +9,7 @@ GEMMs with block-scaled FP8 operands
 
     python -m bench.moe [--tokens 8,64,1024,8192] [--skip gemm,layer,fp8] [--no-peers] [--configs 128x128x64x4]
         [--fp8-tokens 64,8192] [--fp8-stages 3,4] [--fp8-clusters 1,2] [--fp8-cols 256] [--fp8-no-overlap]
+        [--fp8-pingpong]
         [--results bench/results.jsonl]
 
 Times are medians of 20 jitted calls dispatched back to back (`common.dispatched_ms`), per call; ours
@@ -29,6 +30,7 @@ tree:
 """
 
 import argparse
+import dataclasses
 import functools
 import traceback
 
@@ -205,7 +207,7 @@ def fp8_sampled_error(out_rows, x_q, x_s, w, w_s, sizes, rng):
     return worst
 
 
-def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, skip_peers, results):
+def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, pingpong, skip_peers, results):
     log("\n| tokens | FP8 GEMM | implementation | ms | TFLOP/s | x roofline | error |")
     log("| --- | --- | --- | --- | --- | --- | --- |")
     key = jax.random.key(2)
@@ -223,23 +225,27 @@ def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, skip_peers
             roof = max(flops / FP8_MATMUL, data / HBM) * 1e3
             implementation, default = moe_gemm.plan_fp8(None, (w,), rows=rows)
             runs = {}
-            variants = {(default.block_cols, default.stages, default.cluster, True)}
-            variants |= {(default.block_cols, s, default.cluster, True) for s in stages}
-            variants |= {(default.block_cols, default.stages, c, True) for c in clusters}
-            variants |= {(b, min(default.stages, 3), c, True) for b in cols for c in {default.cluster, *clusters}}
+            vary = functools.partial(dataclasses.replace, default)
+            variants = {default}
+            variants |= {vary(stages=s) for s in stages}
+            variants |= {vary(cluster=c) for c in clusters}
+            variants |= {vary(block_cols=b, stages=min(default.stages, 3), cluster=c)
+                         for b in cols for c in {default.cluster, *clusters}}
             if no_overlap:
-                variants |= {(default.block_cols, default.stages, c, False) for c in {default.cluster, *clusters}}
-            for b, s, c, o in sorted(v for v in variants if n % (v[0] * v[2]) == 0):
-                config = moe_gemm.Fp8GemmConfig(
-                    block_rows=default.block_rows, block_cols=b, stages=s, cluster=c, overlap_items=o
-                )
+                variants |= {vary(cluster=c, overlap_items=False) for c in {default.cluster, *clusters}}
+            if pingpong:
+                variants |= {dataclasses.replace(v, pingpong=True) for v in variants}
+            order = lambda v: (v.block_cols, v.stages, v.cluster, not v.overlap_items, v.pingpong)  # noqa: E731
+            for config in sorted((v for v in variants if n % (v.block_cols * v.cluster) == 0), key=order):
+                b, s, c = config.block_cols, config.stages, config.cluster
                 tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, config.block_rows)
                 m = tiles.tile_experts.shape[0] * config.block_rows
                 x_tiled = jnp.zeros((m, k), x_q.dtype).at[tiles.slots].set(x_q)
                 s_tiled = jnp.ones((m, k // 128), jnp.float32).at[tiles.slots].set(x_s)
                 ours = jax.jit(functools.partial(moe_gemm.grouped_matmul_fp8, implementation=implementation, config=config))
                 label = "ours" if config == default else "ours, config"
-                overlap = "" if o else ", items not overlapped"
+                overlap = "" if config.overlap_items else ", items not overlapped"
+                overlap += ", warpgroups taking turns" if config.pingpong else ""
                 runs[f"{label} ({implementation} {config.block_rows}x{b}x{s}, cluster {c}{overlap})"] = (
                     functools.partial(ours, x_tiled, s_tiled, w, w_s, tiles.tile_experts, tiles.used_tiles),
                     lambda out, slots=tiles.slots: out[slots],
@@ -306,6 +312,8 @@ def main():
     parser.add_argument("--fp8-cols", default="", help="more column widths of the FP8 kernel's tiles (3 stages)")
     parser.add_argument("--fp8-no-overlap", action="store_true",
                         help="also the FP8 kernel with each item filling and draining its own pipeline")
+    parser.add_argument("--fp8-pingpong", action="store_true",
+                        help="also every FP8 config with its compute warpgroups taking turns")
     parser.add_argument("--no-peers", action="store_true", help="time ours alone")
     parser.add_argument(
         "--configs", default="", help="more kernel configs, <block_rows>x<block_cols>x<block_k>x<stages>, e.g. 128x128x64x4"
@@ -323,8 +331,8 @@ def main():
         stages = [int(v) for v in args.fp8_stages.split(",") if v]
         clusters = [int(v) for v in args.fp8_clusters.split(",") if v]
         cols = [int(v) for v in args.fp8_cols.split(",") if v]
-        bench_fp8_gemms([int(t) for t in args.fp8_tokens.split(",")], stages, clusters, cols, args.fp8_no_overlap, args.no_peers,
-                        results)
+        bench_fp8_gemms([int(t) for t in args.fp8_tokens.split(",")], stages, clusters, cols, args.fp8_no_overlap,
+                        args.fp8_pingpong, args.no_peers, results)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ their share of the (tile, column block) items column blocks fastest, as the bf16
 `overlap_items` the feeding warpgroup runs on into the next item's first K slices while the compute
 warpgroups finish and store the current one (a pipeline of pipelines: no fill and drain between
 items). In clusters of two, the CTAs of a cluster take neighbouring column blocks of one tile and its
-rows come to both by one TMA multicast: a quarter less traffic from L2 a step.
+rows come to both by one TMA multicast: a quarter less traffic from L2 a step. With `pingpong` the
+two compute warpgroups take turns issuing their products (a rendezvous after each issue, the second
+warpgroup one turn behind), so that one's product runs on the tensor cores while the other scales
+and adds its last one (the schedule of CUTLASS's ping-pong kernels).
 """
 
 import dataclasses
@@ -42,13 +45,15 @@ class Fp8GemmConfig:
     scale blocks); `stages` K slices in flight; `cluster` CTAs (1 or 2) sharing each tile's rows
     (N / block_cols must then be even); `overlap_items`: loads run on from one item into the next
     where K / 128 is a multiple of `stages` (or at most `stages`), else each item fills and drains
-    its own pipeline. K goes 128 a step: one scale block."""
+    its own pipeline; `pingpong`: the compute warpgroups issue their products in turn. K goes 128 a
+    step: one scale block."""
 
     block_rows: int = 128
     block_cols: int = BLOCK
     stages: int = 4
     cluster: int = 1
     overlap_items: bool = True
+    pingpong: bool = False
 
 
 def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas):
@@ -87,10 +92,16 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(x_ref, w_ref.at[0], x_scales_ref),
         out_smem=plgpu.SMEM((2, wg_m, wg_n), o_ref.dtype, transforms=out_transforms),
+        turns=plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )
-    def scope(allocations, out_smem):
+    def scope(allocations, out_smem, turns):
         wg = lax.axis_index("wg")
+
+        def take_turns():  # both compute warpgroups meet: the one a turn ahead may issue again
+            plgpu.barrier_arrive(turns)
+            plgpu.barrier_wait(turns)
+
         wg_rows = pl.ds(wg * 64, 64) if split_rows else pl.ds(0, bm)
         wg_cols = pl.ds(0, bn) if split_rows else pl.ds(wg * wg_n, wg_n)
         # This CTA's items: sm, sm + ctas, ... below the used tiles' count.
@@ -107,7 +118,11 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
 
             def context(run_pipeline):
                 zeros = plgpu.layout_cast(jnp.zeros((wg_m, part_n), jnp.float32), _WGMMA)
+                if config.pingpong:  # turns balanced within an item (pipelines may sync the warpgroups)
+                    pl.when(wg == 1)(take_turns)  # the second warpgroup starts a turn behind ...
                 accs = run_pipeline((zeros,) * parts)
+                if config.pingpong:
+                    pl.when(wg == 0)(take_turns)  # ... and the first ends with the turn it is owed
                 with jax.named_scope("store"):
                     # The previous tile's store from this buffer must be done reading it.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -130,6 +145,8 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
 
                         def product(part_ref, part_cols=part_cols):
                             plgpu.wgmma(part_ref, x_smem.at[wg_rows], w_smem.at[part_cols].transpose((1, 0)))
+                            if config.pingpong:
+                                take_turns()
                             return part_ref[...]
 
                         part = pl.run_scoped(product, plgpu.ACC((wg_m, part_n), jnp.float32))
