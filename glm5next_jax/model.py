@@ -12,7 +12,7 @@ from .layers import hyper
 from .layers.common import PRECISION, rms_norm
 from .layers.dsa import dsa_layer
 from .layers.kda import gate_log_decay, kda_layer
-from .layers.mlp import dense_mlp, moe, route
+from .layers.mlp import dense_mlp, moe, route, router_scores
 from .sharding import shard_batch
 
 STREAMS = ("batch", "sequence", None, "embed")  # the mHC streams [B, T, hc_mult, D] between layers
@@ -41,8 +41,10 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
     internals["mlp_mixing"] = {"pre": pre, "post": post, "comb": comb}
     if config.mlp_layer_types[layer] == "sparse":
         y = moe(p["mlp"], h, config, implementation, interpret, layout)
-        weights, experts = route(p["mlp"], h.reshape(-1, h.shape[-1]), config)
-        internals["routing"] = {"weights": weights.reshape(*h.shape[:-1], -1), "experts": experts.reshape(*h.shape[:-1], -1)}
+        tokens = h.reshape(-1, h.shape[-1])
+        weights, experts = route(p["mlp"], tokens, config)
+        internals["routing"] = {name: a.reshape(*h.shape[:-1], -1) for name, a in
+                                (("weights", weights), ("experts", experts), ("scores", router_scores(p["mlp"], tokens)))}
     else:
         y = dense_mlp(p["mlp"], h, config, layout)
     return hyper.expand(post, comb, y, streams), aux, internals
@@ -145,8 +147,8 @@ def forward(
     `layers.kda.kda_inputs` or the DSA layer takes) and `attention_output` [B, T, D],
     `forget_gate` (KDA layers: the per-channel log decay g [B, T, H, dk]), `selected` (DSA layers:
     each query's selected token indices [B, T, W], -1 for none; a shared layer's are its
-    neighbour's) and `routing` (MoE layers: `weights` and `experts` [B, T, k]; expert e is in group
-    e // config.experts_per_group).
+    neighbour's) and `routing` (MoE layers: `weights` and `experts` [B, T, k], and every expert's
+    sigmoid `scores` [B, T, E]; expert e is in group e // config.experts_per_group).
 
     remat (for training: what a layer keeps for the backward pass, `REMAT_POLICIES`): "none" (all
     its intermediates), "full" (only its inputs: the layer is recomputed) or "dots" (its matmuls'

@@ -52,6 +52,13 @@ def _hidden_quantizer(down: Fp8Weight, split):
     return block_fp8.quantize_rows
 
 
+def router_scores(p, x):
+    """The router's sigmoid score of every expert [N, E] (fp32) for x [N, D]: what selection ranks
+    (with the bias added) and what the chosen experts are weighted by."""
+    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), p["router"].astype(jnp.float32), precision=PRECISION)
+    return jax.nn.sigmoid(logits)
+
+
 def route(p, x, config):
     """Router: top-k experts per token and their weights.
 
@@ -59,8 +66,7 @@ def route(p, x, config):
     best `topk_group` groups; the emitted weights are the unbiased scores of the chosen experts.
     Returns (weights [N, k] fp32, experts [N, k] int32) for x [N, D].
     """
-    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), p["router"].astype(jnp.float32), precision=PRECISION)
-    scores = jax.nn.sigmoid(logits)
+    scores = router_scores(p, x)
     choice = scores + p["router_bias"].astype(jnp.float32)
     if config.n_group > 1:
         grouped = choice.reshape(choice.shape[0], config.n_group, config.experts_per_group)

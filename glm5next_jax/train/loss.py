@@ -1,4 +1,5 @@
-"""The causal language-modelling loss: mean next-token cross-entropy over real positions."""
+"""The causal language-modelling loss (mean next-token cross-entropy over real positions) and what
+the MoE's routing adds: each expert's load, and DeepSeek-V3's sequence-wise balance loss."""
 
 import jax
 import jax.numpy as jnp
@@ -37,3 +38,21 @@ def expert_loads(experts, attention_mask, n_experts: int):
     internals), real tokens (mask 1) only."""
     real = jnp.asarray(attention_mask).astype(jnp.float32)[..., None, None]
     return jnp.sum(jax.nn.one_hot(experts, n_experts, dtype=jnp.float32) * real, axis=(0, 1, 2))
+
+
+def sequence_balance_loss(scores, experts, attention_mask):
+    """DeepSeek-V3's sequence-wise balance loss of one MoE layer, over the batch's sequences that have
+    a real token (mask 1): per sequence sum_i f_i P_i, with f_i = E / (k T) x the choices of expert i
+    among its T real tokens' top k, and P_i the mean over those tokens of expert i's score normalised
+    over all experts (s_i / sum_j s_j); 1 where the routing is balanced. scores [B, T, E] (the
+    router's sigmoid scores, `forward`'s routing internals), experts [B, T, k], attention_mask [B, T].
+    The counts f carry no gradient: it reaches the router through P."""
+    real = jnp.asarray(attention_mask).astype(jnp.float32)
+    n_experts, k = scores.shape[-1], experts.shape[-1]
+    tokens = jnp.sum(real, axis=-1)  # [B]
+    counts = jnp.sum(jax.nn.one_hot(experts, n_experts, dtype=jnp.float32) * real[..., None, None], axis=(1, 2))
+    f = jax.lax.stop_gradient(counts * n_experts / (k * jnp.maximum(tokens, 1.0))[:, None])
+    normalised = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    p = jnp.sum(normalised * real[..., None], axis=1) / jnp.maximum(tokens, 1.0)[:, None]
+    seen = tokens > 0
+    return jnp.sum(jnp.where(seen, jnp.sum(f * p, axis=-1), 0.0)) / jnp.maximum(jnp.sum(seen), 1)

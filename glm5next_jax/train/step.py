@@ -6,6 +6,8 @@ selection) and the router's selection bias (moved by the release's load balancin
 gradients): their optimizer updates are zero. The balancing is DeepSeek-V3's auxiliary-loss-free
 rule: after each step every MoE layer's bias moves by `router_bias_rate` towards balance, up for an
 expert that got fewer of the batch's real tokens than the mean, down for more (0: kept as loaded).
+Optionally, as DeepSeek-V3 also trains, the sequence-wise balance loss of every MoE layer is added
+to the objective with weight `balance_loss_weight` (its alpha; 0: not added).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import optax
 from ..checkpoint import absorb_o, absorb_q
 from ..config import Config
 from ..model import forward
-from .loss import expert_loads, token_loss
+from .loss import expert_loads, sequence_balance_loss, token_loss
 
 
 class TrainState(NamedTuple):
@@ -70,11 +72,13 @@ def balance_router(params, loads, rate):
 
 def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Config,
                optimizer: optax.GradientTransformation, implementation=None, interpret=False, layout=None,
-               remat="none", router_bias_rate=0.0):
+               remat="none", router_bias_rate=0.0, balance_loss_weight=0.0):
     """(next state, metrics): one step of `optimizer` on `next_token_loss` of the batch (input_ids
-    [B, T], attention_mask 0/1 [B, T] or None), the frozen leaves' updates zeroed, then the routers'
-    balancing by `router_bias_rate`. metrics: "loss", "grad_norm" and "expert_load_imbalance" (the
-    largest expert load over the mean, the worst MoE layer; 0 without one). Jit it with STATIC
+    [B, T], attention_mask 0/1 [B, T] or None) plus `balance_loss_weight` x the MoE layers'
+    `sequence_balance_loss` summed, the frozen leaves' updates zeroed, then the routers' balancing by
+    `router_bias_rate`. metrics: "loss" (the token loss alone), "balance_loss" (the sum over MoE
+    layers, unweighted; 0 without one), "grad_norm" and "expert_load_imbalance" (the largest expert
+    load over the mean, the worst MoE layer; 0 without one). Jit it with STATIC
     static (`jax.jit(train_step, static_argnames=STATIC)`). layout (`sharding.Layout`): the mesh
     the params are placed on (`sharding.shard_params(..., form="train")`); the batch is split as its
     rules say. remat: what each layer keeps for the backward pass (`model.REMAT_POLICIES`)."""
@@ -85,18 +89,22 @@ def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Con
         logits, internals = forward(inference_params(params, config), config, input_ids, attention_mask,
                                     implementation=implementation, interpret=interpret, layout=layout,
                                     return_internals=True, remat=remat)
-        loads = {i: expert_loads(inside["routing"]["experts"], attention_mask, config.n_routed_experts)
-                 for i, inside in enumerate(internals) if "routing" in inside}
-        return token_loss(logits, input_ids, attention_mask), loads
+        routings = {i: inside["routing"] for i, inside in enumerate(internals) if "routing" in inside}
+        loads = {i: expert_loads(r["experts"], attention_mask, config.n_routed_experts) for i, r in routings.items()}
+        balance = sum((sequence_balance_loss(r["scores"], r["experts"], attention_mask) for r in routings.values()),
+                      jnp.float32(0))
+        loss = token_loss(logits, input_ids, attention_mask)
+        return loss + balance_loss_weight * balance, (loss, balance, loads)
 
-    (loss, loads), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+    (_, (loss, balance, loads)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     updates = jax.tree.map(lambda u, keep: u if keep else jnp.zeros_like(u), updates, trainable(state.params))
     params = balance_router(optax.apply_updates(state.params, updates), loads, router_bias_rate)
     ratios = [jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9) for load in loads.values()]
     imbalance = jnp.max(jnp.stack(ratios)) if ratios else jnp.float32(0)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "expert_load_imbalance": imbalance}
+    metrics = {"loss": loss, "balance_loss": balance, "grad_norm": optax.tree.norm(grads),
+               "expert_load_imbalance": imbalance}
     return TrainState(params, opt_state, state.step + 1), metrics
 
 
-STATIC = ("config", "optimizer", "implementation", "interpret", "layout", "remat")  # router_bias_rate: a value
+STATIC = ("config", "optimizer", "implementation", "interpret", "layout", "remat")  # the two rates: values

@@ -87,7 +87,12 @@ def test_the_fp8_form_on_every_layout_equals_one_device():
     over 4) holds its scales per element along the cut, and quantizes the activation groups that
     straddle devices whole (`quantize_split_rows`, bit for bit `quantize_rows`): its logits are one
     device's as closely, and loading such a layout straight from the files gives the arrays that
-    placing the one-device load gives."""
+    placing the one-device load gives. The FP8 tiny checkpoint quantizes every linear (14 weights cut,
+    attention's and KDA's among them) through four layers: where XLA:CPU sums a split product in
+    another order than one device (it does on some CPUs: 4.6e-7 after its first layer), the
+    requantized activations' flips compound layer by layer (median 2.2e-4 after four), within the
+    2e-3 its bound allows; one block row of the last layer's experts_down scaled by its neighbour's
+    scales moves the median token 1.0e-2 (W8A8 itself moves it 9e-2 from transformers' logits)."""
     r = sharded_run("fp8_equal_to_one_device")
     specs = {"tp-ep:8": "P('model', None, None)", "3d:2x2x2": "P('expert', None, 'model')",
              "tp:8, cut blocks": "P(None, None, 'model')"}
@@ -102,7 +107,7 @@ def test_the_fp8_form_on_every_layout_equals_one_device():
     record("fp8 tiny checkpoint loaded onto tp:4 (cut blocks): worst token vs one device", loaded["worst_token"])
     assert loaded["identical_to_placed"] and loaded["cut_weights"] == 14, loaded
     assert loaded["down_shapes"] == [[8, 256, 128], [8, 2, 128]] and loaded["down_local"] == [[8, 256, 32], [8, 2, 32]], loaded
-    assert loaded["median_token"] < 1e-6 and loaded["argmax_equal"] >= 0.95, loaded
+    assert loaded["median_token"] < 2e-3 and loaded["argmax_equal"] >= 0.95, loaded
     assert r["split_rows_identical"] == [True] * 4
 
 
