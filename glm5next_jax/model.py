@@ -13,6 +13,7 @@ from .layers.common import PRECISION, rms_norm
 from .layers.dsa import dsa_layer
 from .layers.kda import gate_log_decay, kda_layer
 from .layers.mlp import dense_mlp, moe, route, router_scores
+from .params import is_fp8, param_axes
 from .sharding import shard_batch
 
 STREAMS = ("batch", "sequence", None, "embed")  # the mHC streams [B, T, hc_mult, D] between layers
@@ -111,11 +112,17 @@ def _forward(
     return_internals=False, remat="none",
 ):
     padding_mask = attention_mask.astype(jnp.bool_)
+    axes = param_axes(config, is_fp8(params)) if layout is not None and layout.fsdp else None
+    if axes is not None:  # FSDP: the table, the final norm and lm_head gathered; the layers one by one
+        top = [name for name in params if name != "layers"]
+        params = {**params, **layout.gathered({n: params[n] for n in top}, {n: axes[n] for n in top})}
     streams = embed(params, input_ids, config, layout)
     indices, internals = None, []
     for i, p in enumerate(params["layers"]):
 
         def layer(p, streams, padding_mask, indices, i=i):
+            if axes is not None:
+                p = layout.gathered(p, axes["layers"][i])
             attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout)
             return decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
 

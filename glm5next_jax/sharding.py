@@ -13,6 +13,9 @@ Meshes have the axes ("data", "expert", "model"). The layouts are named presets 
   experts split over "data" (DeepSeek-style).
 - "3d": the table alone on a data x expert x model mesh (batch over data, experts over expert, heads
   and widths over model).
+Any layout may add FSDP (`fsdp=True`, for training): parameters and their optimizer state are kept
+split over "data" too (`FSDP_RULES`, after the table: along embed, else q_lora or kv_lora, where no
+other rule took "data"), and gathered a layer at a time for the compute (`Layout.gathered`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ LAYOUTS: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {  # name: (the me
     "tp-ep": ("model", (("experts", "model"),) + RULES),
     "dp-ep": ("data", (("experts", "data"),) + RULES),
 }
+# Where FSDP keeps a parameter's other split: the candidates after the layout's own rules.
+FSDP_RULES: tuple[tuple[str, str], ...] = (("embed", "data"), ("q_lora", "data"), ("kv_lora", "data"))
+
+
 def is_axes(x) -> bool:
     """A leaf of a logical-axes tree: one name (or None) per dimension of an array."""
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
@@ -67,11 +74,13 @@ LOGICAL_AXES = frozenset({"sequence", "embed", "q_lora", "kv_lora", "index_heads
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh and the rules that place logical axes on it; hashable (a static argument of jit)."""
+    """A mesh and the rules that place logical axes on it; hashable (a static argument of jit).
+    fsdp: parameters kept split over "data" as well (`param_sharding`)."""
 
     mesh: Mesh
     rules: tuple[tuple[str, str], ...] = RULES
     name: str = "3d"
+    fsdp: bool = False
 
     def spec(self, axes) -> PartitionSpec:
         """The PartitionSpec of an array whose dimensions have these logical axes (None: replicated)."""
@@ -88,6 +97,21 @@ class Layout:
     def shardings(self, axes_tree):
         """NamedShardings for a tree of logical-axis tuples."""
         return jax.tree.map(self.sharding, axes_tree, is_leaf=is_axes)
+
+    def param_sharding(self, axes) -> NamedSharding:
+        """Where a parameter with these logical axes is kept (and its optimizer state): as `sharding`
+        places it, and with fsdp split over "data" too by `FSDP_RULES`."""
+        if not self.fsdp:
+            return self.sharding(axes)
+        return dataclasses.replace(self, rules=self.rules + FSDP_RULES, fsdp=False).sharding(axes)
+
+    def gathered(self, params, axes_tree):
+        """params (inside jit; `axes_tree` their logical axes) as the compute takes them: with fsdp each
+        constrained to `sharding`, so XLA gathers its "data" pieces there (and splits its gradient
+        again in the backward pass); without, params themselves."""
+        if not self.fsdp:
+            return params
+        return jax.tree.map(lambda axes, x: self.constrain(x, axes), axes_tree, params, is_leaf=is_axes)
 
     def mesh_axes(self, name: str, array_axes=None) -> tuple[str, ...]:
         """The mesh axes that the logical axis `name` is split over, in an array with these logical
@@ -148,20 +172,20 @@ def _preset(spec: str, available: int | None):
     return name, rules, tuple(n if a == axis else 1 for a in MESH_AXES)
 
 
-def make_layout(spec: str, devices=None) -> Layout:
+def make_layout(spec: str, devices=None, fsdp: bool = False) -> Layout:
     """A layout from "NAME:N" (a preset over N devices: tp, tp-ep, dp-ep) or "3d:DxExM"; N or the
-    sizes default to every device. E.g. "tp-ep:8", "dp-ep", "3d:2x2x2"."""
+    sizes default to every device. E.g. "tp-ep:8", "dp-ep", "3d:2x2x2". fsdp: `Layout.fsdp`."""
     devices = list(jax.devices() if devices is None else devices)
     name, rules, dims = _preset(spec, len(devices))
     n = int(np.prod(dims))
-    return Layout(make_mesh(*dims, devices=devices[:n]), rules, name)
+    return Layout(make_mesh(*dims, devices=devices[:n]), rules, name, fsdp)
 
 
-def abstract_layout(spec: str) -> Layout:
+def abstract_layout(spec: str, fsdp: bool = False) -> Layout:
     """The layout of a string with its sizes ("tp:8", "3d:2x2x2") on an abstract mesh: what each
     device would hold, worked out without the devices."""
     name, rules, dims = _preset(spec, None)
-    return Layout(jax.sharding.AbstractMesh(dims, MESH_AXES), rules, name)
+    return Layout(jax.sharding.AbstractMesh(dims, MESH_AXES), rules, name, fsdp)
 
 
 def placed(shapes, axes, layout: Layout):
@@ -232,7 +256,9 @@ def layout_param_spec(config: Config, layout: Layout, fp8: bool = False):
 def param_shardings(config: Config, layout: Layout, fp8: bool = False, form: str = "inference"):
     """The parameters' shardings (fp8: of the FP8 form, its scales split alike with their codes;
     `form` as for `params.param_spec`)."""
-    return layout.shardings(param_axes(config, fp8, form))
+    if fp8 and layout.fsdp:
+        raise InputError("fsdp keeps the bf16 and fp32 forms split over data; the FP8 form is placed without it")
+    return jax.tree.map(layout.param_sharding, param_axes(config, fp8, form), is_leaf=is_axes)
 
 
 def indivisible(shapes_tree, shardings_tree) -> list[str]:

@@ -21,6 +21,8 @@ import optax
 from ..checkpoint import absorb_o, absorb_q
 from ..config import Config
 from ..model import forward
+from ..params import param_axes
+from ..sharding import is_axes
 from .loss import expert_loads, sequence_balance_loss, token_loss
 
 
@@ -80,8 +82,8 @@ def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Con
     layers, unweighted; 0 without one), "grad_norm" and "expert_load_imbalance" (the largest expert
     load over the mean, the worst MoE layer; 0 without one). Jit it with STATIC
     static (`jax.jit(train_step, static_argnames=STATIC)`). layout (`sharding.Layout`): the mesh
-    the params are placed on (`sharding.shard_params(..., form="train")`); the batch is split as its
-    rules say. remat: what each layer keeps for the backward pass (`model.REMAT_POLICIES`)."""
+    the params are placed on (`sharding.shard_params(..., form="train")`, FSDP's too); the batch is
+    split as its rules say. remat: what each layer keeps for the backward pass (`model.REMAT_POLICIES`)."""
     if attention_mask is None:
         attention_mask = jnp.ones(jnp.shape(input_ids), jnp.int32)
 
@@ -100,6 +102,9 @@ def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Con
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     updates = jax.tree.map(lambda u, keep: u if keep else jnp.zeros_like(u), updates, trainable(state.params))
     params = balance_router(optax.apply_updates(state.params, updates), loads, router_bias_rate)
+    if layout is not None:  # the stepped parameters stay where they are kept (with fsdp: split over data)
+        params = jax.tree.map(lambda axes, x: jax.lax.with_sharding_constraint(x, layout.param_sharding(axes)),
+                              param_axes(config, form="train"), params, is_leaf=is_axes)
     ratios = [jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9) for load in loads.values()]
     imbalance = jnp.max(jnp.stack(ratios)) if ratios else jnp.float32(0)
     metrics = {"loss": loss, "balance_loss": balance, "grad_norm": optax.tree.norm(grads),

@@ -31,6 +31,7 @@ from glm5next_jax.sharding import fp8_cut_axes, host_values, make_layout, make_m
 from pallas_kernels import block_fp8  # noqa: E402
 
 LAYOUTS = ["tp:8", "tp-ep:8", "dp-ep:8", "3d:2x2x2"]
+FSDP_LAYOUT = "3d:4x1x2"  # with fsdp: parameters and moments over data x model, gathered a layer at a time
 FP8_LAYOUTS = ["tp-ep:8", "3d:2x2x2"]  # experts whole over devices; split every way at once
 BATCH, PROMPT, STEPS = 8, 37, 5
 
@@ -109,12 +110,13 @@ def equal_to_one_device():
 
 
 def train_step_equal_to_one_device():
-    """A training step (AdamW) of the train form on every layout against one device: the loss, every
-    gradient, the updated parameters (in units of the learning rate) and where they live."""
+    """A training step (AdamW) of the train form on every layout, and on FSDP_LAYOUT with fsdp, against
+    one device: the loss, every gradient, the updated parameters (in units of the learning rate),
+    where they and Adam's moments live, and the share of their bytes split over data."""
     import optax
 
     from glm5next_jax import train
-    from glm5next_jax.params import param_axes
+    from glm5next_jax.sharding import param_shardings
 
     config, _ = model()
     params = glm5next_jax.init_params(config, jax.random.key(1), dtype="float32", form="train")
@@ -129,26 +131,34 @@ def train_step_equal_to_one_device():
         loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
         state, _ = step(train.init_train_state(params, optimizer), ids, mask, config=config, optimizer=optimizer,
                         layout=layout)
-        return loss, grads, state.params
+        return loss, grads, state.params, state.opt_state
 
-    want_loss, want_grads, want_params = run(params)
+    want_loss, want_grads, want_params = run(params)[:3]
     out = {}
-    for spec in LAYOUTS:
-        layout = make_layout(spec)
-        loss, grads, stepped = run(shard_params(params, config, layout, form="train"), layout)
-        shardings = layout.shardings(param_axes(config, form="train"))
+    for spec, fsdp in [(spec, False) for spec in LAYOUTS] + [(FSDP_LAYOUT, True)]:
+        layout = make_layout(spec, fsdp=fsdp)
+        loss, grads, stepped, opt_state = run(shard_params(params, config, layout, form="train"), layout)
+        shardings = param_shardings(config, layout, form="train")
+        adam = opt_state[0]  # optax.adamw: scale_by_adam's state first
+
+        def misplaced(tree, shardings=shardings):
+            return [jax.tree_util.keystr(path) for (path, leaf), want in
+                    zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(shardings))
+                    if not leaf.sharding.is_equivalent_to(want, leaf.ndim)]
+
         pairs = [(np.asarray(g, np.float64), np.asarray(w, np.float64))
                  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))]
-        out[spec] = {
+        out[spec + (" fsdp" if fsdp else "")] = {
             "loss": abs(float(loss) / float(want_loss) - 1),
             "gradients_all": float(np.sqrt(sum(np.sum((g - w) ** 2) for g, w in pairs) / sum(np.sum(w**2) for _, w in pairs))),
             "gradients": max(float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / max(np.linalg.norm(np.asarray(w)), 1e-30))
                              for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))),
             "params_in_lr": max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) / lr
                                 for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(want_params))),
-            "misplaced_params": [jax.tree_util.keystr(path) for (path, leaf), want in
-                                 zip(jax.tree_util.tree_leaves_with_path(stepped), jax.tree.leaves(shardings))
-                                 if not leaf.sharding.is_equivalent_to(want, leaf.ndim)],
+            "misplaced_params": misplaced(stepped),
+            "misplaced_moments": misplaced(adam.mu) + misplaced(adam.nu),
+            "bytes_over_data": sum(leaf.nbytes for leaf in jax.tree.leaves(stepped) if "data" in str(leaf.sharding.spec))
+            / sum(leaf.nbytes for leaf in jax.tree.leaves(stepped)),
         }
     return out
 
