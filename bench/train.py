@@ -1,24 +1,37 @@
-"""Training's kernels on the GPU. Today: the MoE grouped GEMM's backward at GLM-5.3's shapes (288
-experts, 8 a token; gate_up K = 4096, N = 4096 and down K = 2048, N = 4096), its two products
-apart:
-- d_lhs, the rows' gradient d_out W^T: ours (`moe_gemm.grouped_matmul(..., transposed=True)`, the
-  forward kernel reading W [G, K, N] as its transpose in place), jla's ragged_dot backward in the
-  rows alone, JAX's `ragged_dot_mgpu` on W transposed beforehand (the transpose not timed), XLA's
-  `lax.ragged_dot` (1024 tokens and fewer);
-- d_rhs, the weights' gradient x^T d_out per expert: ours (`moe_gemm.expert_outer_products`), jla's
-  `transposed_ragged_dot`, XLA's ragged dot transposed (1024 tokens and fewer).
+"""Training on the GPU:
+1. the KDA chunked scan's forward + backward (`jax.value_and_grad` of <o, do> for q, k, v, g, beta
+   through `kda.kda_chunk_scan`) at (1, 16384, 16), (8, 4096, 16), (1, 8192, 64), D = 128, beside
+   jla's `kda` and fla's `chunk_kda` (torch autograd) on the same inputs, with each one's peak memory
+   beyond its inputs (ours and jla's: the compiled program's temporaries; fla's: torch's peak);
+2. the MoE grouped GEMM's backward at GLM-5.3's shapes (288 experts, 8 a token; gate_up K = 4096,
+   N = 4096 and down K = 2048, N = 4096), its two products apart:
+   - d_lhs, the rows' gradient d_out W^T: ours (`moe_gemm.grouped_matmul(..., transposed=True)`, the
+     forward kernel reading W [G, K, N] as its transpose in place), jla's ragged_dot backward in the
+     rows alone, JAX's `ragged_dot_mgpu` on W transposed beforehand (the transpose not timed), XLA's
+     `lax.ragged_dot` (1024 tokens and fewer);
+   - d_rhs, the weights' gradient x^T d_out per expert: ours (`moe_gemm.expert_outer_products`), jla's
+     `transposed_ragged_dot`, XLA's ragged dot transposed (1024 tokens and fewer);
+3. a training step (`train.train_step`, AdamW, bf16 train-form parameters, through the kernels) of
+   bench.model_gpu's wider MoE config, in tokens/s and model FLOPs utilisation.
 
-    python -m bench.train [--tokens 1024,8192] [--no-peers] [--results bench/results.jsonl]
+    python -m bench.train [--skip kda,gemm,step] [--tokens 1024,8192] [--step-batch 4x4096] [--no-peers]
+        [--results bench/results.jsonl]
 
-Rows: op `moe_gemm_bwd`, shape `d_lhs <gemm> K=.. N=.., <tokens> tokens` and `d_rhs ...`; the
-roofline is max(FLOPs / `common.MATMUL`, bytes / `common.HBM`), d_lhs's bytes the used experts'
-weights and the rows in and out, d_rhs's every expert's gradient written (zeros for the unused)
-and the rows read. Errors: max|d| / max|ref| against fp32 products over 8 sampled experts. jla comes
-as a wheel (see bench/moe.py).
+Rows: op `kda_train`, shape `B=1 T=16384 H=16 D=128` (peers `jla kda`, `fla chunk_kda`); op
+`moe_gemm_bwd`, shape `d_lhs <gemm> K=.. N=.., <tokens> tokens` and `d_rhs ...`, the roofline
+max(FLOPs / `common.MATMUL`, bytes / `common.HBM`), d_lhs's bytes the used experts' weights and the
+rows in and out, d_rhs's every expert's gradient written (zeros for the unused) and the rows read,
+errors max|d| / max|ref| against fp32 products over 8 sampled experts; op `train_step`, whose
+roofline is the step's model FLOPs at `TRAIN_PEAK` (989 TFLOP/s dense bf16), so that MFU = roofline
+/ ours: model FLOPs = 6 x the matmul parameters a token uses (the routed experts' k / E of theirs,
+lm_head included, the embedding table not) x tokens, the attention's and KDA's products over the
+sequence left out (MFU errs low). jla comes as a wheel (see bench/moe.py), fla with torch.
 """
 
 import argparse
 import functools
+import statistics
+import time
 import traceback
 
 import jax
@@ -27,7 +40,129 @@ import numpy as np
 
 from bench.common import HBM, MATMUL, Results, add_results_argument, dispatched_ms, log
 from bench.moe import EXPERTS, GEMMS, routed_rows
-from pallas_kernels import moe_gemm
+from pallas_kernels import kda, moe_gemm
+
+KDA_SHAPES = [(1, 16384, 16, 128), (8, 4096, 16, 128), (1, 8192, 64, 128)]
+TRAIN_PEAK = 989e12  # dense bf16 FLOP/s: the MFU's denominator
+
+
+def bench_kda_train(skip_peers, results):
+    """Forward + backward of the chunked scan, ours beside jla's and fla's, with peak memory."""
+    from bench.kda import prefill_inputs, to_jax
+
+    log("\n| shape | implementation | fwd + bwd ms | peak extra MiB |")
+    log("| --- | --- | --- | --- |")
+    for b, t, h, d in KDA_SHAPES:
+        shape = f"B={b} T={t} H={h} D={d}"
+        np_in = prefill_inputs(b, t, h, d)
+        inputs = to_jax(*np_in)
+        d_out = jax.random.normal(jax.random.key(t + h), (b, t, h, d), jnp.bfloat16)
+        runs = {"ours": lambda q, k, v, g, beta: kda.kda_chunk_scan(q, k, v, g, beta)[0]}
+        if not skip_peers:
+            try:
+                from jla.ops.mosaic_gpu.kda import kda as jla_kda
+
+                runs["jla kda"] = lambda q, k, v, g, beta: jla_kda(
+                    q, k, v, g, beta, scale=d**-0.5, output_final_state=False, use_qk_l2norm=True)[0]
+            except Exception:
+                traceback.print_exc()
+        timed = {}
+        for label, scan in runs.items():
+            try:
+                grads = jax.jit(jax.grad(lambda *a, scan=scan: jnp.sum(scan(*a[:5]).astype(jnp.float32) * a[5]),
+                                         argnums=(0, 1, 2, 3, 4)))
+                memory = grads.lower(*inputs, d_out).compile().memory_analysis().temp_size_in_bytes / 2**20
+                ms = dispatched_ms(grads, *inputs, d_out)
+                timed[label] = (ms, memory)
+                log(f"| {shape} | {label} | {ms:.3f} | {memory:.0f} |")
+            except Exception as e:
+                log(f"| {shape} | {label} | failed: {type(e).__name__}: {str(e)[:160]} | |")
+        if not skip_peers:
+            try:
+                timed["fla chunk_kda"] = fla_kda_train(np_in, np.asarray(d_out, np.float32), d)
+                log(f"| {shape} | fla chunk_kda | {timed['fla chunk_kda'][0]:.3f} | {timed['fla chunk_kda'][1]:.0f} |")
+            except Exception:
+                traceback.print_exc()
+        if "ours" in timed:
+            results.add("kda_train", shape, timed["ours"][0],
+                        metric="median ms of a forward + backward (jax.grad of <o, do>; fla: do_bench)",
+                        peers={label: ms for label, (ms, _) in timed.items() if label != "ours"},
+                        implementation="kda.kda_chunk_scan, backward through the reference's vjp",
+                        peak_extra_mib={label: memory for label, (_, memory) in timed.items()})
+
+
+def fla_kda_train(np_in, d_out, d):
+    """(ms, peak extra MiB) of fla's chunk_kda forward + backward (torch autograd) on these inputs."""
+    import torch
+    import triton
+    from fla.ops.kda import chunk_kda
+
+    q, k, v, g, beta = (torch.from_numpy(x).cuda() for x in np_in)
+    q, k, v, beta = (x.bfloat16().requires_grad_() for x in (q, k, v, beta))
+    g = g.requires_grad_()
+    do = torch.from_numpy(d_out).cuda().bfloat16()
+
+    def fwd_bwd():
+        o = chunk_kda(q, k, v, g, beta, scale=d**-0.5, use_qk_l2norm_in_kernel=True)[0]
+        torch.autograd.grad(o, (q, k, v, g, beta), do)
+
+    fwd_bwd()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return triton.testing.do_bench(fwd_bwd, warmup=20, rep=100, return_mode="median"), peak
+
+
+def model_flops(config, tokens):
+    """6 x the matmul parameters a token uses x tokens (see the module docstring)."""
+    from glm5next_jax.params import param_spec, spec_shapes
+
+    used = 0.0
+    shapes = spec_shapes(param_spec(config, form="train"))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim < 2 or "embed_tokens" in name:
+            continue
+        share = config.num_experts_per_tok / config.n_routed_experts if "experts_" in name else 1.0
+        used += np.prod(leaf.shape) * share
+    return 6 * used * tokens
+
+
+def bench_train_step(batch, seq, remat, results):
+    """Steps of the wider MoE config's training: median ms a step, tokens/s and MFU."""
+    import optax
+
+    import glm5next_jax
+    from bench.model_gpu import wider_config
+    from glm5next_jax import train
+
+    config = wider_config("moe")
+    params = glm5next_jax.init_params(config, jax.random.key(0), dtype="bfloat16", form="train")
+    optimizer = optax.adamw(1e-5)
+    step = jax.jit(train.train_step, static_argnames=train.STATIC, donate_argnums=0)
+    state = train.init_train_state(params, optimizer)
+    ids = jax.random.randint(jax.random.key(1), (batch, seq), 2, config.vocab_size)
+    mask = jnp.ones((batch, seq), jnp.int32)
+    times = []
+    for i in range(10):
+        start = time.perf_counter()
+        state, metrics = step(state, ids, mask, config=config, optimizer=optimizer, remat=remat)
+        jax.block_until_ready(metrics)
+        if i >= 2:  # the first two compile and warm up
+            times.append((time.perf_counter() - start) * 1e3)
+    ms = statistics.median(times)
+    flops = model_flops(config, batch * seq)
+    roofline = flops / TRAIN_PEAK * 1e3
+    log(f"\ntrain step, wider MoE config, {batch} x {seq} tokens, remat {remat}: {ms:.2f} ms, "
+        f"{batch * seq / ms * 1e3:.0f} tokens/s, {flops / 1e12:.2f} model TFLOP, MFU {roofline / ms:.1%} "
+        f"(loss {float(metrics['loss']):.3f})")
+    results.add("train_step", f"wider MoE config, {batch} x {seq} tokens, remat {remat}", ms,
+                metric="median ms a step (steps 3-10, each waited for)", roofline=roofline,
+                implementation="train.train_step, bf16 through the kernels, AdamW",
+                tokens_per_s=batch * seq / ms * 1e3, mfu=roofline / ms)
 
 
 def sampled_error(got_of_expert, want_of_expert, sizes, rng):
@@ -133,12 +268,22 @@ def bench_gemm_backward(token_counts, skip_peers, results):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1024,8192", help="token counts, comma-separated")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: kda, gemm, step")
+    parser.add_argument("--tokens", default="1024,8192", help="the GEMMs' token counts, comma-separated")
+    parser.add_argument("--step-batch", default="2x4096", help="the training step's batch, <sequences>x<tokens>")
+    parser.add_argument("--remat", default="none", help="the training step's remat policy")
     parser.add_argument("--no-peers", action="store_true", help="time ours alone")
     add_results_argument(parser)
     args = parser.parse_args()
+    results = Results(args.results)
     log("jax", jax.__version__, jax.devices())
-    bench_gemm_backward([int(t) for t in args.tokens.split(",")], args.no_peers, Results(args.results))
+    if "kda" not in args.skip:
+        bench_kda_train(args.no_peers, results)
+    if "gemm" not in args.skip:
+        bench_gemm_backward([int(t) for t in args.tokens.split(",")], args.no_peers, results)
+    if "step" not in args.skip:
+        batch, seq = (int(v) for v in args.step_batch.split("x"))
+        bench_train_step(batch, seq, args.remat, results)
 
 
 if __name__ == "__main__":
