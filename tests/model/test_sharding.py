@@ -121,6 +121,7 @@ def test_the_fp8_form_on_every_layout_equals_one_device():
     assert r["split_rows_identical"] == [True] * 4
 
 
+@pytest.mark.slow  # a property of XLA's partitioning, not of the values: outside the default run's budget
 def test_the_decode_step_gathers_no_expert_weights():
     """In the compiled bf16 decode step of every layout, each all-gather is far smaller than one
     device's share of an expert weight: the MoE moves tokens (and the cache writes their new rows),
