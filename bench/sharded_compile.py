@@ -2,12 +2,16 @@
 bytes of one step by kind, and a floor for the step's time from them.
 
     .venv-gpu-compile/bin/python -m bench.sharded_compile [--layers 45] [--layouts tp:8,tp-ep:8,dp-ep:8]
-        [--phases decode:64x32768,prefill:8192] [--weights bf16|fp8] [--devices 8]
-        [--json bench/sharded_compile.json] [--results bench/results.jsonl]
+        [--phases decode:64x32768,prefill:8192,train:8x8192] [--weights bf16|fp8] [--devices 8]
+        [--fsdp] [--remat full] [--json bench/sharded_compile.json] [--results bench/results.jsonl]
 
 `--weights fp8` holds the release's converted linears in block-scaled FP8 (`params.param_spec(config,
 fp8=True)`: what `load_checkpoint(..., weights="checkpoint")` gives on the FP8 release); `--devices`
-the mesh's size (the H100 and the H200 compile alike: compare the memory with 80 GB or 141 GB).
+the mesh's size (the H100 and the H200 compile alike: compare the memory with 80 GB or 141 GB), in
+hosts of 8 GPUs past 8 (topology 1 x hosts x 8). Phase `train:BATCHxTOKENS` is full fine-tuning:
+one `train.train_step` (AdamW, bf16 parameters and moments, the state donated, `--remat` per
+layer) of the train form; `--fsdp` keeps parameters and moments split over "data" as well
+(`make_layout(..., fsdp=True)`); its memory is the state (arguments) plus the step's temporaries.
 
 Needs JAX's CUDA plugin (`.venv-gpu-compile`, see bench/decode_compile.py); nothing is materialised:
 parameters and caches are abstract arrays placed by the layout on 8 compile-only H200s
@@ -40,14 +44,18 @@ PHASES = "decode:64x32768,prefill:8192"  # decode:BATCHxCACHED, prefill:TOKENS (
 
 
 def phase_shape(text):
-    """("decode", dict(batch, cached)) or ("prefill", dict(batch=1, tokens)) from a --phases entry."""
+    """("decode", dict(batch, cached)), ("prefill", dict(batch=1, tokens)) or ("train", dict(batch,
+    tokens)) from a --phases entry."""
     kind, _, size = text.partition(":")
     if kind == "decode":
         batch, cached = map(int, size.split("x"))
         return kind, dict(batch=batch, cached=cached)
     if kind == "prefill":
         return kind, dict(batch=1, tokens=int(size))
-    raise ValueError(f"a phase is decode:BATCHxCACHED or prefill:TOKENS, got {text!r}")
+    if kind == "train":
+        batch, tokens = map(int, size.split("x"))
+        return kind, dict(batch=batch, tokens=tokens)
+    raise ValueError(f"a phase is decode:BATCHxCACHED, prefill:TOKENS or train:BATCHxTOKENS, got {text!r}")
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
          "f64": 8, "s64": 8}
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -94,7 +102,34 @@ def _group_size(line):
     return 8
 
 
-def compile_one(layout_spec, phase, layers, weights="bf16", devices=8):
+def train_step_traced(config, layout, batch, tokens, remat):
+    """`train.train_step` traced on abstract arrays: the train form's bf16 parameters and AdamW's
+    moments where the layout keeps them, the state donated."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from glm5next_jax import train
+    from glm5next_jax.params import param_axes, param_spec, spec_shapes
+    from glm5next_jax.sharding import is_axes
+
+    axes = param_axes(config, form="train")
+    kept = lambda shapes, dtype=None: jax.tree.map(  # noqa: E731
+        lambda a, x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=layout.param_sharding(a)),
+        axes, shapes, is_leaf=is_axes)
+    params = kept(spec_shapes(param_spec(config, form="train"), "bfloat16"))
+    optimizer = optax.adamw(1e-5)
+    adam, *rest = jax.eval_shape(optimizer.init, params)
+    replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+    adam = adam._replace(count=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), mu=kept(adam.mu), nu=kept(adam.nu))
+    state = train.TrainState(params, (adam, *rest), jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    batch_sharding = layout.sharding(("batch", None))
+    ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding)
+    step = jax.jit(train.train_step, static_argnames=train.STATIC, donate_argnums=0)
+    return step.trace(state, ids, ids, config=config, optimizer=optimizer, layout=layout, remat=remat), state
+
+
+def compile_one(layout_spec, phase, layers, weights="bf16", devices=8, fsdp=False, remat="full"):
     """Compile one phase under one layout; its memory, collectives and floor as a dict."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # the plugin's checks need a driver
     import jax
@@ -107,10 +142,12 @@ def compile_one(layout_spec, phase, layers, weights="bf16", devices=8):
     from glm5next_jax.params import param_axes, param_shapes
     from glm5next_jax.sharding import device_bytes, make_layout, placed
 
-    topology = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET, topology=f"1x1x{devices}")
+    hosts = max(devices // 8, 1)
+    topology = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET,
+                                            topology=f"1x{hosts}x{devices // hosts}")
     jax.config.update("jax_default_device", topology.devices[0])
     jax.default_backend = lambda: "gpu"  # the library's GPU-only choices (kernels, the decode split)
-    layout = make_layout(layout_spec, devices=topology.devices)
+    layout = make_layout(layout_spec, devices=topology.devices, fsdp=fsdp)
     config = glm5next_jax.Config() if layers is None else glm5next_jax.Config(num_hidden_layers=layers)
 
     fp8 = weights == "fp8"
@@ -119,7 +156,12 @@ def compile_one(layout_spec, phase, layers, weights="bf16", devices=8):
     if phase == "prefill":  # a layout that splits the batch prefills one sequence a batch shard
         p["batch"] = max(p["batch"], layout.size("batch"))
     batch_axes = lambda n: ("batch",) + (None,) * (n - 1)  # noqa: E731
-    if phase == "decode":
+    if phase == "train":
+        if fp8:
+            raise ValueError("the train phase takes bf16 weights")
+        traced, state = train_step_traced(config, layout, p["batch"], p["tokens"], remat)
+        params = state.params
+    elif phase == "decode":
         max_len = p["cached"] + 64
         cache = jax.eval_shape(lambda: glm5next_jax.init_cache(config, p["batch"], max_len, latent_dtype="float8_e4m3fn"))
         cache = placed(cache, cache_axes(cache), layout)
@@ -140,7 +182,8 @@ def compile_one(layout_spec, phase, layers, weights="bf16", devices=8):
     found = collectives(compiled.as_text())
     sent = sum(v["sent_bytes"] for v in found.values())
     return {
-        "layout": layout_spec, "phase": phase, "layers": config.num_hidden_layers, "weights": weights,
+        "layout": layout_spec + (" fsdp" if fsdp else ""), "phase": phase, "layers": config.num_hidden_layers,
+        "weights": weights, **({"remat": remat} if phase == "train" else {}),
         "compile_s": round(seconds, 1),
         **{k: v for k, v in p.items() if k != "batch"},
         "batch": p["batch"],
@@ -159,11 +202,13 @@ def main():
     parser.add_argument("--json", help="append each result as a line of JSON here")
     parser.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="the converted linears' form")
     parser.add_argument("--devices", type=int, default=8, help="compile-only GPUs in the mesh")
+    parser.add_argument("--fsdp", action="store_true", help="parameters and moments split over data as well")
+    parser.add_argument("--remat", default="full", help="the train phase's remat policy")
     parser.add_argument("--one", nargs=2, metavar=("LAYOUT", "PHASE"), help=argparse.SUPPRESS)
     add_results_argument(parser)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(compile_one(*args.one, args.layers, args.weights, args.devices)))
+        print(json.dumps(compile_one(*args.one, args.layers, args.weights, args.devices, args.fsdp, args.remat)))
         return
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # for the children: the plugin's checks need a driver
     results = Results(args.results, device=DEVICE.format(args.devices))
@@ -174,7 +219,8 @@ def main():
     for layout in args.layouts.split(","):
         for phase in args.phases.split(","):
             cmd = [sys.executable, "-m", "bench.sharded_compile", "--one", layout, phase, "--weights", args.weights,
-                   "--devices", str(args.devices)] + (["--layers", str(args.layers)] if args.layers else [])
+                   "--devices", str(args.devices), "--remat", args.remat] + (["--fsdp"] if args.fsdp else []) + (
+                      ["--layers", str(args.layers)] if args.layers else [])
             r = run_child(cmd, args.limit, f"{layout} | {phase}")
             if r is None:
                 continue
@@ -182,14 +228,14 @@ def main():
                 with open(args.json, "a") as f:
                     f.write(json.dumps(r) + "\n")
             results.add(
-                "sharded_compile", f"{layout} {phase}, batch {r['batch']}, {r['layers']} layers"
+                "sharded_compile", f"{r['layout']} {phase}, batch {r['batch']}, {r['layers']} layers"
                 + (", fp8 weights" if args.weights == "fp8" else ""), r["compile_s"], unit="s",
                 metric="XLA compile s on the host's CPU", floor_ms=r["floor_ms"], weight_bytes=r["weight_bytes"],
                 argument_bytes=r["argument_bytes"], temp_bytes=r["temp_bytes"],
                 sent_bytes={kind: r["collectives"][kind]["sent_bytes"] for kind in KINDS},
             )
             sent = "/".join(f"{r['collectives'][k]['sent_bytes'] / 2**20:.1f}" for k in KINDS)
-            print(f"| {layout} | {phase} | {r['batch']} | {r['argument_bytes'] / gib:.1f} | {r['temp_bytes'] / gib:.1f} | "
+            print(f"| {r['layout']} | {phase} | {r['batch']} | {r['argument_bytes'] / gib:.1f} | {r['temp_bytes'] / gib:.1f} | "
                   f"{r['weight_bytes'] / gib:.1f} | {sent} | {r['floor_ms']:.2f} | {r['compile_s']:.0f} |", flush=True)
 
 

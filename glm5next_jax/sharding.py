@@ -107,11 +107,23 @@ class Layout:
 
     def gathered(self, params, axes_tree):
         """params (inside jit; `axes_tree` their logical axes) as the compute takes them: with fsdp each
-        constrained to `sharding`, so XLA gathers its "data" pieces there (and splits its gradient
-        again in the backward pass); without, params themselves."""
+        constrained to `sharding`, so that XLA gathers its "data" pieces there, and its gradient
+        constrained back to `param_sharding`, so that the batch shards' partial gradients are
+        reduce-scattered rather than all-reduced whole; without fsdp, params themselves."""
         if not self.fsdp:
             return params
-        return jax.tree.map(lambda axes, x: self.constrain(x, axes), axes_tree, params, is_leaf=is_axes)
+
+        def gather(axes, x):
+            compute, kept = self.sharding(axes), self.param_sharding(axes)
+
+            @jax.custom_vjp
+            def gathered(x):
+                return jax.lax.with_sharding_constraint(x, compute)
+
+            gathered.defvjp(lambda x: (gathered(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, kept),))
+            return gathered(x)
+
+        return jax.tree.map(gather, axes_tree, params, is_leaf=is_axes)
 
     def mesh_axes(self, name: str, array_axes=None) -> tuple[str, ...]:
         """The mesh axes that the logical axis `name` is split over, in an array with these logical
