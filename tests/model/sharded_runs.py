@@ -112,7 +112,8 @@ def equal_to_one_device():
 def train_step_equal_to_one_device():
     """A training step (AdamW) of the train form on every layout, and on FSDP_LAYOUT with fsdp, against
     one device: the loss, every gradient, the updated parameters (in units of the learning rate),
-    where they and Adam's moments live, and the share of their bytes split over data."""
+    where they and Adam's moments live, and the share of their bytes split over data. The gradients
+    are read from the step itself: after its first step Adam's first moment is (1 - b1) x g."""
     import optax
 
     from glm5next_jax import train
@@ -122,16 +123,15 @@ def train_step_equal_to_one_device():
     params = glm5next_jax.init_params(config, jax.random.key(1), dtype="float32", form="train")
     ids = np.random.default_rng(3).integers(2, config.vocab_size, (BATCH, 20)).astype(np.int32)
     mask = (np.arange(20)[None] >= np.arange(BATCH)[:, None] % 3).astype(np.int32)  # left padding
-    lr = 1e-3
-    optimizer = optax.adamw(lr)
+    lr, b1 = 1e-3, 0.9
+    optimizer = optax.adamw(lr, b1=b1)
     step = jax.jit(train.train_step, static_argnames=train.STATIC)
 
     def run(params, layout=None):
-        loss_of = lambda p: train.next_token_loss(train.inference_params(p, config), config, ids, mask, layout=layout)  # noqa: E731
-        loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
-        state, _ = step(train.init_train_state(params, optimizer), ids, mask, config=config, optimizer=optimizer,
-                        layout=layout)
-        return loss, grads, state.params, state.opt_state
+        state, metrics = step(train.init_train_state(params, optimizer), ids, mask, config=config, optimizer=optimizer,
+                              layout=layout)
+        grads = jax.tree.map(lambda mu: mu / (1 - b1), state.opt_state[0].mu)  # scale_by_adam's state first
+        return metrics["loss"], grads, state.params, state.opt_state
 
     want_loss, want_grads, want_params = run(params)[:3]
     out = {}
@@ -139,7 +139,7 @@ def train_step_equal_to_one_device():
         layout = make_layout(spec, fsdp=fsdp)
         loss, grads, stepped, opt_state = run(shard_params(params, config, layout, form="train"), layout)
         shardings = param_shardings(config, layout, form="train")
-        adam = opt_state[0]  # optax.adamw: scale_by_adam's state first
+        adam = opt_state[0]
 
         def misplaced(tree, shardings=shardings):
             return [jax.tree_util.keystr(path) for (path, leaf), want in
