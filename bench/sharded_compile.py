@@ -110,13 +110,12 @@ def train_step_traced(config, layout, batch, tokens, remat):
     import optax
 
     from glm5next_jax import train
-    from glm5next_jax.params import param_axes, param_spec, spec_shapes
-    from glm5next_jax.sharding import is_axes
+    from glm5next_jax.params import param_spec, spec_shapes
+    from glm5next_jax.sharding import param_shardings
 
-    axes = param_axes(config, form="train")
-    kept = lambda shapes, dtype=None: jax.tree.map(  # noqa: E731
-        lambda a, x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=layout.param_sharding(a)),
-        axes, shapes, is_leaf=is_axes)
+    shardings = param_shardings(config, layout, form="train")
+    kept = lambda shapes: jax.tree.map(  # noqa: E731
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes, shardings)
     params = kept(spec_shapes(param_spec(config, form="train"), "bfloat16"))
     optimizer = optax.adamw(1e-5)
     adam, *rest = jax.eval_shape(optimizer.init, params)

@@ -12,7 +12,7 @@ from .layers import hyper
 from .layers.common import PRECISION, rms_norm
 from .layers.dsa import dsa_layer
 from .layers.kda import gate_log_decay, kda_layer
-from .layers.mlp import dense_mlp, moe, route, router_scores
+from .layers.mlp import dense_mlp, moe, router_scores, select_experts
 from .params import is_fp8, param_axes
 from .sharding import shard_batch
 
@@ -42,10 +42,10 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
     internals["mlp_mixing"] = {"pre": pre, "post": post, "comb": comb}
     if config.mlp_layer_types[layer] == "sparse":
         y = moe(p["mlp"], h, config, implementation, interpret, layout)
-        tokens = h.reshape(-1, h.shape[-1])
-        weights, experts = route(p["mlp"], tokens, config)
+        scores = router_scores(p["mlp"], h.reshape(-1, h.shape[-1]))
+        weights, experts = select_experts(p["mlp"], scores, config)
         internals["routing"] = {name: a.reshape(*h.shape[:-1], -1) for name, a in
-                                (("weights", weights), ("experts", experts), ("scores", router_scores(p["mlp"], tokens)))}
+                                (("weights", weights), ("experts", experts), ("scores", scores))}
     else:
         y = dense_mlp(p["mlp"], h, config, layout)
     return hyper.expand(post, comb, y, streams), aux, internals

@@ -66,7 +66,11 @@ def route(p, x, config):
     best `topk_group` groups; the emitted weights are the unbiased scores of the chosen experts.
     Returns (weights [N, k] fp32, experts [N, k] int32) for x [N, D].
     """
-    scores = router_scores(p, x)
+    return select_experts(p, router_scores(p, x), config)
+
+
+def select_experts(p, scores, config):
+    """`route`'s choice from the router's scores [N, E] (`router_scores`)."""
     choice = scores + p["router_bias"].astype(jnp.float32)
     if config.n_group > 1:
         grouped = choice.reshape(choice.shape[0], config.n_group, config.experts_per_group)

@@ -21,8 +21,7 @@ import optax
 from ..checkpoint import absorb_o, absorb_q
 from ..config import Config
 from ..model import forward
-from ..params import param_axes
-from ..sharding import is_axes
+from ..sharding import param_shardings
 from .loss import expert_loads, sequence_balance_loss, token_loss
 
 
@@ -103,8 +102,7 @@ def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Con
     updates = jax.tree.map(lambda u, keep: u if keep else jnp.zeros_like(u), updates, trainable(state.params))
     params = balance_router(optax.apply_updates(state.params, updates), loads, router_bias_rate)
     if layout is not None:  # the stepped parameters stay where they are kept (with fsdp: split over data)
-        params = jax.tree.map(lambda axes, x: jax.lax.with_sharding_constraint(x, layout.param_sharding(axes)),
-                              param_axes(config, form="train"), params, is_leaf=is_axes)
+        params = jax.lax.with_sharding_constraint(params, param_shardings(config, layout, form="train"))
     ratios = [jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9) for load in loads.values()]
     imbalance = jnp.max(jnp.stack(ratios)) if ratios else jnp.float32(0)
     metrics = {"loss": loss, "balance_loss": balance, "grad_norm": optax.tree.norm(grads),

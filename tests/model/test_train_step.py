@@ -129,7 +129,7 @@ def test_remat_keeps_the_values_and_checkpoints_each_layer(shipped_train_form, r
     (got, metrics), (want, want_metrics) = (STEP(state, ids, np.ones_like(ids), config=config, optimizer=ADAMW, remat=r)
                                             for r in (remat, "none"))
     assert abs(float(metrics["loss"]) / float(want_metrics["loss"]) - 1) < 1e-6
-    moments = [(g, w) for g, w in zip(jax.tree.leaves(got.opt_state[0].mu), jax.tree.leaves(want.opt_state[0].mu))]
+    moments = list(zip(jax.tree.leaves(got.opt_state[0].mu), jax.tree.leaves(want.opt_state[0].mu)))
     total = np.sqrt(sum(float(jnp.sum((g - w) ** 2)) for g, w in moments) / sum(float(jnp.sum(w**2)) for _, w in moments))
     assert total < 1e-5, total
 
