@@ -39,17 +39,22 @@ def ignore(*_, **__):
     return None
 
 
-def warpgroup_kernel(body, out_type, *, name, ctas, interpret, cluster=None):
+def warpgroup_kernel(body, out_type, *, name, ctas, interpret, cluster=None, profile=None):
     """`plgpu.kernel` of `ctas` CTAs (grid axis "sm"), three warpgroups each (axis "wg": two compute
     warpgroups and one that feeds them by TMA), in Warpgroup lowering; with `cluster`, CTAs in
     clusters of that many (axis "cluster"). `interpret`: True or `plgpu.InterpretGPUParams` runs it
-    in Pallas' interpreter."""
+    in Pallas' interpreter. `profile`: None, or (ranges, directory): each call writes a Perfetto trace
+    of its named scopes per warpgroup (Mosaic GPU's profiler; the first `ranges` scopes a warpgroup
+    enters, the rest dropped) into that directory."""
     clusters = {} if cluster is None else {"cluster": (cluster,), "cluster_names": ("cluster",)}
     if interpret and not isinstance(interpret, plgpu.InterpretGPUParams):
         interpret = plgpu.InterpretGPUParams()
     return plgpu.kernel(
         body, out_type=out_type, grid=(ctas,), grid_names=("sm",), **clusters, num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            **({} if profile is None else {"profile_space": profile[0], "profile_dir": profile[1], "profile_bounds_check": True}),
+        ),
         interpret=interpret or None, kernel_name=name,
     )
 

@@ -45,8 +45,11 @@ class Fp8GemmConfig:
     scale blocks); `stages` K slices in flight; `cluster` CTAs (1 or 2) sharing each tile's rows
     (N / block_cols must then be even); `overlap_items`: loads run on from one item into the next
     where K / 128 is a multiple of `stages` (or at most `stages`), else each item fills and drains
-    its own pipeline; `pingpong`: the compute warpgroups issue their products in turn. K goes 128 a
-    step: one scale block."""
+    its own pipeline; `pingpong`: the compute warpgroups issue their products in turn; `profile`:
+    None or (ranges, directory), a trace of each call's scopes per warpgroup (`warpgroup_kernel`; the
+    compute warpgroups' scopes: "scales" (loading a step's row and block scales), "issue" (the
+    product), "await" (its wait), "promote" (scale and add), "store"). K goes 128 a step: one scale
+    block."""
 
     block_rows: int = 128
     block_cols: int = BLOCK
@@ -54,6 +57,7 @@ class Fp8GemmConfig:
     cluster: int = 1
     overlap_items: bool = True
     pingpong: bool = False
+    profile: tuple[int, str] | None = None
 
 
 def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas):
@@ -136,22 +140,25 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
 
             def multiply(indices, x_smem, w_smem, x_scales_smem, accs):
                 (kk,) = indices
-                row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False)
+                with jax.named_scope("scales"):
+                    row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False)
+                    w_scales = [w_scales_ref[expert, (col_block * bn + wg_cols.start + h * part_n) // BLOCK, kk]
+                                for h in range(parts)]
                 summed = []
                 for h, acc in enumerate(accs):
                     part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
-                    with jax.named_scope("multiply"):
-                        w_scale = w_scales_ref[expert, (col_block * bn + part_cols.start) // BLOCK, kk]
 
-                        def product(part_ref, part_cols=part_cols):
+                    def product(part_ref, part_cols=part_cols):
+                        with jax.named_scope("issue"):
                             plgpu.wgmma(part_ref, x_smem.at[wg_rows], w_smem.at[part_cols].transpose((1, 0)))
-                            if config.pingpong:
-                                take_turns()
+                        if config.pingpong:
+                            take_turns()
+                        with jax.named_scope("await"):
                             return part_ref[...]
 
-                        part = pl.run_scoped(product, plgpu.ACC((wg_m, part_n), jnp.float32))
-                    with jax.named_scope("scale"):
-                        scales = lax.broadcast_in_dim(row_scales * w_scale, part.shape, [0])
+                    part = pl.run_scoped(product, plgpu.ACC((wg_m, part_n), jnp.float32))
+                    with jax.named_scope("promote"):
+                        scales = lax.broadcast_in_dim(row_scales * w_scales[h], part.shape, [0])
                         summed.append(acc + part * scales)
                 # The reads (generic proxy) ordered before the slot's refill by TMA (async proxy).
                 plgpu.commit_smem()
@@ -186,6 +193,7 @@ def grouped_matmul_fp8_kernel(x, x_scales_t, weights, weight_scales, tile_expert
         functools.partial(_kernel, config=config, ctas=sms // config.cluster),
         jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.bfloat16),
         name="moe_grouped_matmul_fp8", ctas=sms // config.cluster, interpret=interpret, cluster=config.cluster,
+        profile=config.profile,
     )
     return kernel(
         tile_experts, jnp.reshape(used_tiles, (1,)).astype(jnp.int32), weight_scales, x, x_scales_t, weights
