@@ -11,6 +11,7 @@ from .errors import InputError
 from .layers import hyper
 from .layers.common import PRECISION, rms_norm
 from .layers.dsa import dsa_layer
+from .layers.indexer_loss import STAGES, indexer_kl
 from .layers.kda import gate_log_decay, kda_layer
 from .layers.mlp import dense_mlp, moe, router_scores, select_experts
 from .params import is_fp8, param_axes
@@ -52,14 +53,20 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
 
 
 def uncached_attention(
-    config: Config, layer: int, padding_mask, shared_indices, implementation=None, interpret=False, layout=None
+    config: Config, layer: int, padding_mask, shared_indices, implementation=None, interpret=False, layout=None,
+    indexer_loss=None,
 ):
-    """The attention sublayer of a whole-sequence forward; aux is the DSA selection (or None)."""
+    """The attention sublayer of a whole-sequence forward; aux is (the DSA selection or None, the
+    indexer's KL of `indexer_loss`'s stage on a full DSA layer or None)."""
 
     def attend(p, h):
         if config.layer_types[layer] == DSA:
-            return dsa_layer(p, h, config, padding_mask, shared_indices, implementation, interpret, layout)
-        return kda_layer(p, h, config, padding_mask, implementation, interpret, layout), None
+            y, indices = dsa_layer(p, h, config, padding_mask, shared_indices, implementation, interpret, layout)
+            kl = None
+            if indexer_loss is not None and "indexer" in p:
+                kl = indexer_kl(p, h, padding_mask, indices, config, indexer_loss)
+            return y, (indices, kl)
+        return kda_layer(p, h, config, padding_mask, implementation, interpret, layout), (None, None)
 
     return attend
 
@@ -105,11 +112,12 @@ REMAT_POLICIES = {
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "implementation", "interpret", "layout", "return_internals", "remat")
+    jax.jit,
+    static_argnames=("config", "implementation", "interpret", "layout", "return_internals", "remat", "indexer_loss"),
 )
 def _forward(
     params, config: Config, input_ids, attention_mask, implementation=None, interpret=False, layout=None,
-    return_internals=False, remat="none",
+    return_internals=False, remat="none", indexer_loss=None,
 ):
     padding_mask = attention_mask.astype(jnp.bool_)
     axes = param_axes(config, is_fp8(params)) if layout is not None and layout.fsdp else None
@@ -123,20 +131,21 @@ def _forward(
         def layer(p, streams, padding_mask, indices, i=i):
             if axes is not None:
                 p = layout.gathered(p, axes["layers"][i])
-            attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout)
+            attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout, indexer_loss)
             return decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
 
         if remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-        streams, indices, inside = layer(p, streams, padding_mask, indices)
-        internals.append(inside if indices is None else dict(inside, selected=indices))
+        streams, (indices, kl), inside = layer(p, streams, padding_mask, indices)
+        inside = inside if indices is None else dict(inside, selected=indices)
+        internals.append(inside if kl is None else dict(inside, indexer_loss=kl))
     logits = final_logits(params, streams, config, layout)
     return (logits, internals) if return_internals else logits
 
 
 def forward(
     params, config: Config, input_ids, attention_mask=None, *, implementation=None, interpret=False, layout=None,
-    return_internals=False, remat="none",
+    return_internals=False, remat="none", indexer_loss=None,
 ):
     """Logits [B, T, vocab] (fp32) for int token ids [B, T] and an optional 0/1 mask [B, T].
 
@@ -155,7 +164,10 @@ def forward(
     `forget_gate` (KDA layers: the per-channel log decay g [B, T, H, dk]), `selected` (DSA layers:
     each query's selected token indices [B, T, W], -1 for none; a shared layer's are its
     neighbour's) and `routing` (MoE layers: `weights` and `experts` [B, T, k], and every expert's
-    sigmoid `scores` [B, T, E]; expert e is in group e // config.experts_per_group).
+    sigmoid `scores` [B, T, E]; expert e is in group e // config.experts_per_group), and with
+    `indexer_loss` ("dense" or "sparse", `layers.indexer_loss`) on each full DSA layer `indexer_loss`:
+    the mean KL [] from the layer's attention over pools to its indexer's, whose gradient reaches
+    the indexer's parameters alone (None: not computed).
 
     remat (for training: what a layer keeps for the backward pass, `REMAT_POLICIES`): "none" (all
     its intermediates), "full" (only its inputs: the layer is recomputed) or "dots" (its matmuls'
@@ -163,6 +175,8 @@ def forward(
     """
     if remat not in REMAT_POLICIES:
         raise InputError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+    if indexer_loss not in (None, *STAGES):
+        raise InputError(f"indexer_loss must be None or one of {STAGES}, got {indexer_loss!r}")
     check_token_batch(input_ids, attention_mask, config.vocab_size)
     input_ids = jnp.asarray(input_ids)
     if attention_mask is None or input_ids.shape[1] == 1:
@@ -172,7 +186,7 @@ def forward(
     if layout is not None:
         input_ids, attention_mask = shard_batch(input_ids, layout), shard_batch(attention_mask, layout)
     return _forward(params, config, input_ids, attention_mask, implementation, bool(interpret), layout,
-                    bool(return_internals), remat)
+                    bool(return_internals), remat, indexer_loss)
 
 
 def check_token_batch(input_ids, attention_mask, vocab_size):

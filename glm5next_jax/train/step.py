@@ -8,6 +8,12 @@ rule: after each step every MoE layer's bias moves by `router_bias_rate` towards
 expert that got fewer of the batch's real tokens than the mean, down for more (0: kept as loaded).
 Optionally, as DeepSeek-V3 also trains, the sequence-wise balance loss of every MoE layer is added
 to the objective with weight `balance_loss_weight` (its alpha; 0: not added).
+
+The indexer trains, as DeepSeek-V3.2 trains its lightning indexer, when `indexer_loss` names a stage
+of `layers.indexer_loss`: every full DSA layer's KL from its attention to its indexer is added to the
+objective (its gradient reaches the indexers alone, so no weight: the two parts' gradients are
+disjoint). "dense" is the warm-up: the indexers alone train (every other update zeroed, the routers'
+biases kept); "sparse" trains the whole model, the indexers by their KL only.
 """
 
 from __future__ import annotations
@@ -46,11 +52,14 @@ def inference_params(params, config: Config):
     return {**params, "layers": layers}
 
 
-def trainable(params):
-    """A tree of bools: False for the indexer's leaves and the router's selection bias."""
+def trainable(params, indexer_loss=None):
+    """A tree of bools, which leaves a step updates: all but the indexer's leaves and the router's
+    selection bias; with `indexer_loss` "sparse" the indexer's too; with "dense" the indexer's alone."""
     def mark(path, _):
         names = [getattr(k, "key", None) for k in path]
-        return "indexer" not in names and "router_bias" not in names
+        if indexer_loss == "dense":
+            return "indexer" in names
+        return (indexer_loss == "sparse" or "indexer" not in names) and "router_bias" not in names
 
     return jax.tree_util.tree_map_with_path(mark, params)
 
@@ -73,41 +82,50 @@ def balance_router(params, loads, rate):
 
 def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Config,
                optimizer: optax.GradientTransformation, implementation=None, interpret=False, layout=None,
-               remat="none", router_bias_rate=0.0, balance_loss_weight=0.0):
+               remat="none", router_bias_rate=0.0, balance_loss_weight=0.0, indexer_loss=None):
     """(next state, metrics): one step of `optimizer` on `next_token_loss` of the batch (input_ids
     [B, T], attention_mask 0/1 [B, T] or None) plus `balance_loss_weight` x the MoE layers'
     `sequence_balance_loss` summed, the frozen leaves' updates zeroed, then the routers' balancing by
     `router_bias_rate`. metrics: "loss" (the token loss alone), "balance_loss" (the sum over MoE
-    layers, unweighted; 0 without one), "grad_norm" and "expert_load_imbalance" (the largest expert
-    load over the mean, the worst MoE layer; 0 without one). Jit it with STATIC
+    layers, unweighted; 0 without one), "indexer_loss" (the full DSA layers' KLs summed; 0 without
+    `indexer_loss`), "grad_norm" and "expert_load_imbalance" (the largest expert load over the mean,
+    the worst MoE layer; 0 without one). indexer_loss: None, "dense" or "sparse" (module docstring).
+    Jit it with STATIC
     static (`jax.jit(train_step, static_argnames=STATIC)`). layout (`sharding.Layout`): the mesh
     the params are placed on (`sharding.shard_params(..., form="train")`, FSDP's too); the batch is
     split as its rules say. remat: what each layer keeps for the backward pass (`model.REMAT_POLICIES`)."""
     if attention_mask is None:
         attention_mask = jnp.ones(jnp.shape(input_ids), jnp.int32)
 
+    keep = trainable(state.params, indexer_loss)
+
     def loss_of(params):
+        # The frozen leaves as constants: no backward pass is formed for what only they need.
+        params = jax.tree.map(lambda a, k: a if k else jax.lax.stop_gradient(a), params, keep)
         logits, internals = forward(inference_params(params, config), config, input_ids, attention_mask,
                                     implementation=implementation, interpret=interpret, layout=layout,
-                                    return_internals=True, remat=remat)
+                                    return_internals=True, remat=remat, indexer_loss=indexer_loss)
         routings = {i: inside["routing"] for i, inside in enumerate(internals) if "routing" in inside}
         loads = {i: expert_loads(r["experts"], attention_mask, config.n_routed_experts) for i, r in routings.items()}
         balance = sum((sequence_balance_loss(r["scores"], r["experts"], attention_mask) for r in routings.values()),
                       jnp.float32(0))
+        indexer = sum((inside["indexer_loss"] for inside in internals if "indexer_loss" in inside), jnp.float32(0))
         loss = token_loss(logits, input_ids, attention_mask)
-        return loss + balance_loss_weight * balance, (loss, balance, loads)
+        return loss + balance_loss_weight * balance + indexer, (loss, balance, indexer, loads)
 
-    (_, (loss, balance, loads)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+    (_, (loss, balance, indexer, loads)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    updates = jax.tree.map(lambda u, keep: u if keep else jnp.zeros_like(u), updates, trainable(state.params))
-    params = balance_router(optax.apply_updates(state.params, updates), loads, router_bias_rate)
+    updates = jax.tree.map(lambda u, k: u if k else jnp.zeros_like(u), updates, keep)
+    params = optax.apply_updates(state.params, updates)
+    if indexer_loss != "dense":
+        params = balance_router(params, loads, router_bias_rate)
     if layout is not None:  # the stepped parameters stay where they are kept (with fsdp: split over data)
         params = jax.lax.with_sharding_constraint(params, param_shardings(config, layout, form="train"))
     ratios = [jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9) for load in loads.values()]
     imbalance = jnp.max(jnp.stack(ratios)) if ratios else jnp.float32(0)
-    metrics = {"loss": loss, "balance_loss": balance, "grad_norm": optax.tree.norm(grads),
+    metrics = {"loss": loss, "balance_loss": balance, "indexer_loss": indexer, "grad_norm": optax.tree.norm(grads),
                "expert_load_imbalance": imbalance}
     return TrainState(params, opt_state, state.step + 1), metrics
 
 
-STATIC = ("config", "optimizer", "implementation", "interpret", "layout", "remat")  # the two rates: values
+STATIC = ("config", "optimizer", "implementation", "interpret", "layout", "remat", "indexer_loss")  # the rates: values
