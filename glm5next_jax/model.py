@@ -54,19 +54,20 @@ def decoder_layer(p, streams, config: Config, layer: int, attend, implementation
 
 def uncached_attention(
     config: Config, layer: int, padding_mask, shared_indices, implementation=None, interpret=False, layout=None,
-    indexer_loss=None,
+    indexer_loss=None, segment_ids=None,
 ):
-    """The attention sublayer of a whole-sequence forward; aux is (the DSA selection or None, the
-    indexer's KL of `indexer_loss`'s stage on a full DSA layer or None)."""
+    """The attention sublayer of a whole-sequence forward (segment_ids: packed sequences); aux is (the
+    DSA selection or None, the indexer's KL of `indexer_loss`'s stage on a full DSA layer or None)."""
 
     def attend(p, h):
         if config.layer_types[layer] == DSA:
-            y, indices = dsa_layer(p, h, config, padding_mask, shared_indices, implementation, interpret, layout)
+            y, indices = dsa_layer(p, h, config, padding_mask, shared_indices, implementation, interpret, layout,
+                                   segment_ids)
             kl = None
             if indexer_loss is not None and "indexer" in p:
-                kl = indexer_kl(p, h, padding_mask, indices, config, indexer_loss)
+                kl = indexer_kl(p, h, padding_mask, indices, config, indexer_loss, segment_ids)
             return y, (indices, kl)
-        return kda_layer(p, h, config, padding_mask, implementation, interpret, layout), (None, None)
+        return kda_layer(p, h, config, padding_mask, implementation, interpret, layout, segment_ids), (None, None)
 
     return attend
 
@@ -117,7 +118,7 @@ REMAT_POLICIES = {
 )
 def _forward(
     params, config: Config, input_ids, attention_mask, implementation=None, interpret=False, layout=None,
-    return_internals=False, remat="none", indexer_loss=None,
+    return_internals=False, remat="none", indexer_loss=None, segment_ids=None,
 ):
     padding_mask = attention_mask.astype(jnp.bool_)
     axes = param_axes(config, is_fp8(params)) if layout is not None and layout.fsdp else None
@@ -128,15 +129,16 @@ def _forward(
     indices, internals = None, []
     for i, p in enumerate(params["layers"]):
 
-        def layer(p, streams, padding_mask, indices, i=i):
+        def layer(p, streams, padding_mask, indices, segment_ids, i=i):
             if axes is not None:
                 p = layout.gathered(p, axes["layers"][i])
-            attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout, indexer_loss)
+            attend = uncached_attention(config, i, padding_mask, indices, implementation, interpret, layout, indexer_loss,
+                                        segment_ids)
             return decoder_layer(p, streams, config, i, attend, implementation, interpret, layout)
 
         if remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-        streams, (indices, kl), inside = layer(p, streams, padding_mask, indices)
+        streams, (indices, kl), inside = layer(p, streams, padding_mask, indices, segment_ids)
         inside = inside if indices is None else dict(inside, selected=indices)
         internals.append(inside if kl is None else dict(inside, indexer_loss=kl))
     logits = final_logits(params, streams, config, layout)
@@ -145,11 +147,15 @@ def _forward(
 
 def forward(
     params, config: Config, input_ids, attention_mask=None, *, implementation=None, interpret=False, layout=None,
-    return_internals=False, remat="none", indexer_loss=None,
+    return_internals=False, remat="none", indexer_loss=None, segment_ids=None,
 ):
     """Logits [B, T, vocab] (fp32) for int token ids [B, T] and an optional 0/1 mask [B, T].
 
     Padding may be on the left or the right; padded positions get logits but they carry no meaning.
+    segment_ids (in place of attention_mask): packed sequences, an int [B, T] of document numbers,
+    0 for padding (left or right), each document one run of tokens; every document's logits are
+    those it gets alone (KDA's conv windows and states start afresh at each document, DSA's pools,
+    selection and attention stay within it; the KDA scan then runs on its reference).
     implementation picks the kernels: None (Pallas where it applies on GPU, else the pure-jnp
     references), "reference" or "pallas"; interpret=True runs the kernels in Pallas' interpreter on any
     backend, None then choosing as on a GPU (`pallas_kernels.common.pick_implementation`).
@@ -178,6 +184,12 @@ def forward(
     if indexer_loss not in (None, *STAGES):
         raise InputError(f"indexer_loss must be None or one of {STAGES}, got {indexer_loss!r}")
     check_token_batch(input_ids, attention_mask, config.vocab_size)
+    if segment_ids is not None:
+        if attention_mask is not None:
+            raise InputError("pass segment_ids or attention_mask, not both: padding is segment 0")
+        check_segment_ids(segment_ids, np.shape(input_ids))
+        segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+        attention_mask = segment_ids > 0
     input_ids = jnp.asarray(input_ids)
     if attention_mask is None or input_ids.shape[1] == 1:
         # transformers ignores the mask of a single-token input (a lone token is never padding).
@@ -185,8 +197,28 @@ def forward(
     input_ids, attention_mask = input_ids.astype(jnp.int32), jnp.asarray(attention_mask)
     if layout is not None:
         input_ids, attention_mask = shard_batch(input_ids, layout), shard_batch(attention_mask, layout)
+        segment_ids = None if segment_ids is None else shard_batch(segment_ids, layout)
     return _forward(params, config, input_ids, attention_mask, implementation, bool(interpret), layout,
-                    bool(return_internals), remat, indexer_loss)
+                    bool(return_internals), remat, indexer_loss, segment_ids)
+
+
+def check_segment_ids(segment_ids, shape):
+    """Packed sequences' document numbers: integer [B, T] like input_ids, >= 0, padding (0) left or
+    right, each nonzero number one run of tokens."""
+    dtype = segment_ids.dtype if hasattr(segment_ids, "dtype") else np.asarray(segment_ids).dtype
+    if np.shape(segment_ids) != shape or not np.issubdtype(dtype, np.integer):
+        raise InputError(f"segment_ids must be an integer array of input_ids' shape {shape}, got {dtype} {np.shape(segment_ids)}")
+    if isinstance(segment_ids, jax.core.Tracer):
+        return
+    ids = np.asarray(segment_ids)
+    if ids.min() < 0:
+        raise InputError(f"segment_ids must be >= 0 (0: padding), got {ids.min()}")
+    padding(ids > 0)
+    for b, row in enumerate(ids):
+        changes = row[np.concatenate([[True], row[1:] != row[:-1]])]
+        documents = changes[changes > 0]
+        if len(np.unique(documents)) != len(documents):
+            raise InputError(f"segment_ids row {b}: each document must be one run of tokens, got {changes.tolist()}")
 
 
 def check_token_batch(input_ids, attention_mask, vocab_size):

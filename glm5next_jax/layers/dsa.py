@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.latent_attention import sparse_latent_attention
-from pallas_kernels.select_tokens import first_valid_key, pool_token_indices, select_tokens
+from pallas_kernels.select_tokens import first_valid_key, packed_pools, pool_token_indices, select_tokens
 
 from ..cache import read_pages, write_latents, write_pages
 from ..errors import InputError
@@ -36,8 +36,9 @@ def pool_key_of(keys, gate, ape):
     return jnp.sum(probs * keys, axis=-2)
 
 
-def pool_keys(k_idx, gate, ape, first_key, n_pools):
-    """Keys of the first n_pools pools of a whole sequence; pool p starts at first_key + p * P.
+def pool_keys(k_idx, gate, ape, first_key, n_pools, starts=None):
+    """Keys of the first n_pools pools of a whole sequence; pool p starts at first_key + p * P, or at
+    starts[:, p] ([B, n_pools], packed sequences' pools: `packed_pools`).
 
     k_idx, gate [B, S, hd]; ape [P, hd]; first_key [B]. A pool reaching past S repeats the last
     token; it is never valid, and validity is the selection's concern.
@@ -45,8 +46,11 @@ def pool_keys(k_idx, gate, ape, first_key, n_pools):
     b, s, hd = k_idx.shape
     if n_pools == 0:
         return jnp.zeros((b, 0, hd), k_idx.dtype)
-    idx = pool_token_indices(first_key, n_pools, ape.shape[0]).reshape(b, -1, 1)
-    flat = jnp.clip(idx, 0, s - 1)
+    if starts is None:
+        idx = pool_token_indices(first_key, n_pools, ape.shape[0])
+    else:
+        idx = starts[..., None] + jnp.arange(ape.shape[0], dtype=jnp.int32)
+    flat = jnp.clip(idx.reshape(b, -1, 1), 0, s - 1)
     group = lambda x: jnp.take_along_axis(x, flat, axis=1).reshape(b, n_pools, ape.shape[0], hd)  # noqa: E731
     return pool_key_of(group(k_idx), group(gate), ape)
 
@@ -101,48 +105,57 @@ def attend_selected(p, q_resid, latents, indices, config, implementation, interp
     return shard_mapped(layout, attend, in_axes, q_axes)(*args)
 
 
-def select(q_idx, head_weights, pool_keys, key_valid, query_positions, config, implementation, interpret, layout):
-    """`select_tokens` with the config's selection, on each device's batch rows under a layout."""
+def select(q_idx, head_weights, pool_keys, key_valid, query_positions, config, implementation, interpret, layout,
+           segment_ids=None):
+    """`select_tokens` with the config's selection (segment_ids: packed sequences), on each device's
+    batch rows under a layout."""
     run = lambda *args: select_tokens(  # noqa: E731
-        *args, index_topk=config.index_topk, pool_size=config.index_kpool,
-        select_tail=config.index_kpool_always_select_tail, implementation=implementation, interpret=interpret,
+        *args[:5], index_topk=config.index_topk, pool_size=config.index_kpool,
+        select_tail=config.index_kpool_always_select_tail, segment_ids=args[5] if len(args) > 5 else None,
+        implementation=implementation, interpret=interpret,
     )
     in_axes = (("batch", "sequence", None, None), ("batch", "sequence", None), ("batch", None, None), ("batch", None),
-               ("batch", "sequence"))
-    return shard_mapped(layout, run, in_axes, ("batch", "sequence", None))(
-        q_idx, head_weights, pool_keys, key_valid, query_positions
-    )
+               ("batch", "sequence")) + ((("batch", None),) if segment_ids is not None else ())
+    args = (q_idx, head_weights, pool_keys, key_valid, query_positions) + ((segment_ids,) if segment_ids is not None else ())
+    return shard_mapped(layout, run, in_axes, ("batch", "sequence", None))(*args)
 
 
-def indexer_select(p, h, q_resid, key_valid, config, implementation=None, interpret=False, layout=None):
+def indexer_select(p, h, q_resid, key_valid, config, implementation=None, interpret=False, layout=None,
+                   segment_ids=None):
     """The indexer over a whole sequence: selected key indices [B, T, W] (-1 padded) per query;
-    `implementation` and `interpret` pick the selection's kernels (as in `select_tokens`). No gradient
-    flows through it (transformers' neither): its only way to the loss is the discrete selection."""
+    `implementation` and `interpret` pick the selection's kernels (as in `select_tokens`); segment_ids
+    [B, T]: packed sequences, each with its own pools. No gradient flows through it (transformers'
+    neither): its only way to the loss is the discrete selection."""
     p, h, q_resid = jax.lax.stop_gradient((p, h, q_resid))
     b, t = h.shape[:2]
+    n_pools = t // config.index_kpool
     k_idx, gate = indexer_keys(p, h)
+    starts = None if segment_ids is None else packed_pools(segment_ids, n_pools, config.index_kpool).starts
     return select(
         indexer_queries(p, q_resid, config),
         indexer_head_weights(p, h),
-        pool_keys(k_idx, gate, p["ape"], first_valid_key(key_valid), t // config.index_kpool),
+        pool_keys(k_idx, gate, p["ape"], first_valid_key(key_valid), n_pools, starts),
         key_valid,
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        config, implementation, interpret, layout,
+        config, implementation, interpret, layout, segment_ids,
     )
 
 
-def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None, interpret=False, layout=None):
+def dsa_layer(p, h, config, key_valid, shared_indices=None, implementation=None, interpret=False, layout=None,
+              segment_ids=None):
     """Uncached DSA sublayer. h [B, T, D]; key_valid [B, T] bool (the padding mask).
 
     A "full" layer (p has an indexer) selects its tokens; a "shared" layer takes `shared_indices`
     from the preceding full layer. `implementation` and `interpret` pick the kernels of the token
-    selection and of the latent attention (as in `forward`); layout: the mesh.
+    selection and of the latent attention (as in `forward`); layout: the mesh; segment_ids [B, T]
+    (packed sequences, key_valid their nonzero ones): each query selects within its own segment.
     Returns (y [B, T, D], selected indices [B, T, W]).
     """
     q_resid = rms_norm(linear(h, p["q_a_proj"]), p["q_a_norm"], config.rms_norm_eps)
     latents = rms_norm(linear(h, p["kv_a_proj"]), p["kv_a_norm"], config.rms_norm_eps)
     if "indexer" in p:
-        indices = indexer_select(p["indexer"], h, q_resid, key_valid, config, implementation, interpret, layout)
+        indices = indexer_select(p["indexer"], h, q_resid, key_valid, config, implementation, interpret, layout,
+                                 segment_ids)
     elif shared_indices is None:
         raise InputError("a 'shared' DSA layer needs the selected indices of the preceding full layer")
     else:

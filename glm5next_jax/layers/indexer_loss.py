@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import HIGHEST, map_query_blocks
-from pallas_kernels.select_tokens import first_valid_key, pool_scores, pool_token_indices, pool_validity, visible_pools
+from pallas_kernels.select_tokens import first_valid_key, packed_pools, pool_scores
 
 from .common import linear, rms_norm
 from .dsa import indexer_head_weights, indexer_keys, indexer_queries, latent_query, pool_keys
@@ -58,12 +58,13 @@ def kl_to_indexer(target, scores):
     return jnp.sum(jnp.where(has, terms, 0.0), axis=-1)
 
 
-def indexer_kl(p, h, key_valid, indices, config, stage):
+def indexer_kl(p, h, key_valid, indices, config, stage, segment_ids=None):
     """The mean over queries with a target of the KL from the layer's attention to its indexer, fp32 [].
 
     p: a full DSA layer's parameters (the absorbed form, with "indexer"); h [B, T, D] its input;
     key_valid [B, T] bool; indices [B, T, W] the layer's selection (`dsa_layer`'s); stage "dense" or
-    "sparse" (module docstring)."""
+    "sparse" (module docstring); segment_ids [B, T]: packed sequences (each query's keys and pools
+    those of its own segment)."""
     if stage not in STAGES:
         raise ValueError(f"indexer loss stage must be one of {STAGES}, got {stage!r}")
     main = jax.lax.stop_gradient({name: v for name, v in p.items() if name != "indexer"})
@@ -73,27 +74,31 @@ def indexer_kl(p, h, key_valid, indices, config, stage):
     n_pools = t // size
     if n_pools == 0:
         return jnp.float32(0.0)
+    segments = key_valid.astype(jnp.int32) if segment_ids is None else segment_ids
+    pools = packed_pools(segments, n_pools, size)  # a lone sequence's: from its first valid key
     q_resid = rms_norm(linear(h, main["q_a_proj"]), main["q_a_norm"], config.rms_norm_eps)
     latents = rms_norm(linear(h, main["kv_a_proj"]), main["kv_a_norm"], config.rms_norm_eps)
-    first_key = first_valid_key(key_valid)
     k_idx, gate = indexer_keys(ip, h)
-    keys = pool_keys(k_idx, gate, ip["ape"], first_key, n_pools)
+    keys = pool_keys(k_idx, gate, ip["ape"], first_valid_key(key_valid), n_pools, pools.starts)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    pool_valid = pool_validity(key_valid, n_pools, size)
-    pool_tokens = jnp.clip(pool_token_indices(first_key, n_pools, size), 0, t - 1)
+    pool_tokens = jnp.clip(pools.starts[..., None] + jnp.arange(size, dtype=jnp.int32), 0, t - 1)
+    seen = positions - pools.segment_start + 1  # keys of its segment up to each query
 
     def block(xs):
-        q_lat, q_idx, weights, visible, selection, pos, real = xs
-        candidates = pool_valid[:, None] & (jnp.arange(n_pools) < visible[..., None]) & real[..., None]
-        allowed = key_valid[:, None] & (jnp.arange(t) <= pos[..., None]) & real[..., None]
+        q_lat, q_idx, weights, first, visible, segment, selection, pos, real = xs
+        pool_number = jnp.arange(n_pools)
+        candidates = (pools.valid[:, None] & (pool_number >= first[..., None]) & (pool_number < visible[..., None])
+                      & real[..., None])
+        allowed = (key_valid[:, None] & (segments[:, None] == segment[..., None]) & (jnp.arange(t) <= pos[..., None])
+                   & real[..., None])
         if stage == "sparse":
             rows = jnp.arange(selection.shape[1])[None, :, None]
             chosen = jnp.zeros(allowed.shape, jnp.bool_).at[
                 jnp.arange(b)[:, None, None], rows, jnp.where(selection < 0, t, selection)].set(True, mode="drop")
             allowed = allowed & chosen
             # A candidate pool is selected whole or not at all: its first token says which.
-            first = jnp.broadcast_to(pool_tokens[:, None, :, 0], candidates.shape)
-            candidates = candidates & jnp.take_along_axis(chosen, first, axis=-1)
+            first_tokens = jnp.broadcast_to(pools.starts[:, None, :], candidates.shape)
+            candidates = candidates & jnp.take_along_axis(chosen, first_tokens, axis=-1)
         target = jax.lax.stop_gradient(
             pool_targets(q_lat, latents, allowed, candidates, pool_tokens, config.qk_head_dim**-0.5)
         )
@@ -104,10 +109,12 @@ def indexer_kl(p, h, key_valid, indices, config, stage):
         latent_query(main, q_resid, config),
         indexer_queries(ip, q_resid, config),
         indexer_head_weights(ip, h),
-        visible_pools(first_key, positions, size, n_pools),
+        pools.first_pool,
+        pools.first_pool + seen // size,
+        segments,
         indices,
         positions,
         key_valid,  # a real query is a real token
     )
-    kl, has = map_query_blocks(block, xs, (0, 0, 0, 0, -1, -1, False), QUERY_BLOCK)
+    kl, has = map_query_blocks(block, xs, (0, 0, 0, 0, 0, -1, -1, -1, False), QUERY_BLOCK)
     return jnp.sum(jnp.where(has, kl, 0.0)) / jnp.maximum(jnp.sum(has), 1)

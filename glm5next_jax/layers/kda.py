@@ -25,14 +25,15 @@ def gated_rms_norm(o, gate, weight, eps):
     return (normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
 
 
-def kda_inputs(p, h, config, conv_state=None):
+def kda_inputs(p, h, config, conv_state=None, segment_ids=None):
     """The KDA core's inputs from the normalised hidden state h [B, T, D].
 
-    conv_state [B, 3, C, K] holds the inputs before h (None: zeros). Returns (q, k, v [B, T, H, d],
+    conv_state [B, 3, C, K] holds the inputs before h (None: zeros); segment_ids [B, T] (packed
+    sequences) keep each conv window within its segment. Returns (q, k, v [B, T, H, d],
     g [B, T, H, dk] fp32, beta [B, T, H], new conv_state).
     """
     heads, head_dim = config.linear_num_heads, config.linear_head_dim
-    qkv, conv_state = kda_core.causal_short_conv(linear(h, p["qkv_proj"]), p["conv"], conv_state)
+    qkv, conv_state = kda_core.causal_short_conv(linear(h, p["qkv_proj"]), p["conv"], conv_state, segment_ids)
     q, k, v = (qkv[..., i, :].reshape(*qkv.shape[:-2], heads, head_dim) for i in range(3))
     beta = jax.nn.sigmoid(linear(h, p["b_proj"]))
     return q, k, v, gate_log_decay(p, h, config), beta, conv_state
@@ -65,27 +66,36 @@ def scan_implementation(config, implementation):
     return "reference"
 
 
-def chunk_scan(q, k, v, g, beta, state, config, implementation, interpret, layout):
-    """The chunked scan (state None: zeros), on each device's batch rows and heads under a layout."""
+def chunk_scan(q, k, v, g, beta, state, config, implementation, interpret, layout, segment_ids=None):
+    """The chunked scan (state None: zeros; segment_ids: packed sequences, on the reference), on each
+    device's batch rows and heads under a layout."""
     implementation = scan_implementation(config, implementation)
     if state is None:
         state = jnp.zeros((*q.shape[:1], *q.shape[2:], v.shape[-1]), jnp.float32)
-    scan = lambda *args: kda_core.kda_chunk_scan(*args, implementation=implementation, interpret=interpret)  # noqa: E731
-    return shard_mapped(layout, scan, (TOKEN_HEADS,) * 4 + (TOKEN_HEADS[:3], STATE), (TOKEN_HEADS, STATE))(
-        q, k, v, g, beta, state
-    )
+    if segment_ids is None:
+        scan = lambda *args: kda_core.kda_chunk_scan(*args, implementation=implementation, interpret=interpret)  # noqa: E731
+        in_axes, args = (TOKEN_HEADS,) * 4 + (TOKEN_HEADS[:3], STATE), (q, k, v, g, beta, state)
+    else:
+        if implementation == "pallas":
+            raise InputError("the Pallas KDA scan takes no segment_ids: packed sequences need implementation=None or 'reference'")
+        scan = lambda *args: kda_core.kda_chunk_scan(*args[:6], segment_ids=args[6], implementation="reference")  # noqa: E731
+        in_axes = (TOKEN_HEADS,) * 4 + (TOKEN_HEADS[:3], STATE, ("batch", "sequence"))
+        args = (q, k, v, g, beta, state, segment_ids)
+    return shard_mapped(layout, scan, in_axes, (TOKEN_HEADS, STATE))(*args)
 
 
-def kda_layer(p, h, config, padding_mask=None, implementation=None, interpret=False, layout=None):
+def kda_layer(p, h, config, padding_mask=None, implementation=None, interpret=False, layout=None, segment_ids=None):
     """Uncached KDA sublayer over a whole sequence. h [B, T, D]; padding_mask [B, T] zeroes pad rows.
 
     implementation: None (Pallas on GPU, else the reference), "reference" or "pallas"; interpret runs
     the kernels in Pallas' interpreter (`pallas_kernels.common.pick_implementation`); layout: the
-    mesh (the scan runs on each device's rows and heads)."""
+    mesh (the scan runs on each device's rows and heads). segment_ids [B, T] (packed sequences, None:
+    one a row): the conv windows and the recurrent state start afresh at each segment, the scan on
+    the reference."""
     if padding_mask is not None:
         h = h * padding_mask[..., None].astype(h.dtype)
-    q, k, v, g, beta, _ = kda_inputs(p, h, config)
-    o, _ = chunk_scan(q, k, v, g, beta, None, config, implementation, interpret, layout)
+    q, k, v, g, beta, _ = kda_inputs(p, h, config, segment_ids=segment_ids)
+    o, _ = chunk_scan(q, k, v, g, beta, None, config, implementation, interpret, layout, segment_ids)
     return kda_output(p, h, o, config)
 
 

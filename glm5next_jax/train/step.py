@@ -26,6 +26,7 @@ import optax
 
 from ..checkpoint import absorb_o, absorb_q
 from ..config import Config
+from ..errors import InputError
 from ..model import forward
 from ..sharding import param_shardings
 from .loss import expert_loads, sequence_balance_loss, token_loss
@@ -82,7 +83,7 @@ def balance_router(params, loads, rate):
 
 def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Config,
                optimizer: optax.GradientTransformation, implementation=None, interpret=False, layout=None,
-               remat="none", router_bias_rate=0.0, balance_loss_weight=0.0, indexer_loss=None):
+               remat="none", router_bias_rate=0.0, balance_loss_weight=0.0, indexer_loss=None, segment_ids=None):
     """(next state, metrics): one step of `optimizer` on `next_token_loss` of the batch (input_ids
     [B, T], attention_mask 0/1 [B, T] or None) plus `balance_loss_weight` x the MoE layers'
     `sequence_balance_loss` summed, the frozen leaves' updates zeroed, then the routers' balancing by
@@ -90,11 +91,17 @@ def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Con
     layers, unweighted; 0 without one), "indexer_loss" (the full DSA layers' KLs summed; 0 without
     `indexer_loss`), "grad_norm" and "expert_load_imbalance" (the largest expert load over the mean,
     the worst MoE layer; 0 without one). indexer_loss: None, "dense" or "sparse" (module docstring).
+    segment_ids [B, T] (in place of attention_mask): packed sequences, as `forward` takes them; the
+    balance loss stays a row's.
     Jit it with STATIC
     static (`jax.jit(train_step, static_argnames=STATIC)`). layout (`sharding.Layout`): the mesh
     the params are placed on (`sharding.shard_params(..., form="train")`, FSDP's too); the batch is
     split as its rules say. remat: what each layer keeps for the backward pass (`model.REMAT_POLICIES`)."""
-    if attention_mask is None:
+    if segment_ids is not None:
+        if attention_mask is not None:
+            raise InputError("pass segment_ids or attention_mask, not both: padding is segment 0")
+        attention_mask = jnp.asarray(segment_ids) > 0
+    elif attention_mask is None:
         attention_mask = jnp.ones(jnp.shape(input_ids), jnp.int32)
 
     keep = trainable(state.params, indexer_loss)
@@ -102,15 +109,17 @@ def train_step(state: TrainState, input_ids, attention_mask=None, *, config: Con
     def loss_of(params):
         # The frozen leaves as constants: no backward pass is formed for what only they need.
         params = jax.tree.map(lambda a, k: a if k else jax.lax.stop_gradient(a), params, keep)
-        logits, internals = forward(inference_params(params, config), config, input_ids, attention_mask,
+        logits, internals = forward(inference_params(params, config), config, input_ids,
+                                    None if segment_ids is not None else attention_mask,
                                     implementation=implementation, interpret=interpret, layout=layout,
-                                    return_internals=True, remat=remat, indexer_loss=indexer_loss)
+                                    return_internals=True, remat=remat, indexer_loss=indexer_loss,
+                                    segment_ids=segment_ids)
         routings = {i: inside["routing"] for i, inside in enumerate(internals) if "routing" in inside}
         loads = {i: expert_loads(r["experts"], attention_mask, config.n_routed_experts) for i, r in routings.items()}
         balance = sum((sequence_balance_loss(r["scores"], r["experts"], attention_mask) for r in routings.values()),
                       jnp.float32(0))
         indexer = sum((inside["indexer_loss"] for inside in internals if "indexer_loss" in inside), jnp.float32(0))
-        loss = token_loss(logits, input_ids, attention_mask)
+        loss = token_loss(logits, input_ids, attention_mask, segment_ids)
         return loss + balance_loss_weight * balance + indexer, (loss, balance, indexer, loads)
 
     (_, (loss, balance, indexer, loads)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)

@@ -16,7 +16,9 @@ and `decode_update_mosaic`.
 A batch of sequences of different lengths is passed right-padded with `lengths` [B] (valid tokens per
 sequence, each in [0, T]; checked where the values are known, outside jit): a padded position
 neither decays nor writes the state (g = 0, beta = 0 there), so the final state is each sequence's
-state after its own last token; outputs at padded positions are meaningless.
+state after its own last token; outputs at padded positions are meaningless. Several sequences
+packed into a row carry `segment_ids` [B, T]: the state is discarded where the segment changes
+(reference only: the Pallas scan declines them).
 
 Dispatch (`implementation`, `interpret`): as `pallas_kernels.common.pick_implementation` says, the
 kernels for bf16 inputs of supported shapes on a GPU (or in Pallas' interpreter with `interpret=True`),
@@ -48,7 +50,9 @@ def _power_of_two(n, low, high):
     return low <= n <= high and n & (n - 1) == 0
 
 
-def _scan_unsupported(q, v, chunk_size):
+def _scan_unsupported(q, v, chunk_size, segment_ids=None):
+    if segment_ids is not None:
+        return "the Pallas scan takes no segment_ids (packed sequences run on the reference)"
     if chunk_size != prefill_intra_mosaic.CHUNK:
         return f"chunk_size must be {prefill_intra_mosaic.CHUNK}, got {chunk_size}"
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in prefill_intra_mosaic.HEAD_DIMS:
@@ -57,8 +61,8 @@ def _scan_unsupported(q, v, chunk_size):
 
 
 def kda_chunk_scan(
-    q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, implementation=None, interpret=False,
-    block_v=None, value_slots=None, o_products=None, multicast=None,
+    q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, segment_ids=None, implementation=None,
+    interpret=False, block_v=None, value_slots=None, o_products=None, multicast=None,
 ):
     """Chunked KDA for prefill; arguments and results as `kda_chunk_scan_reference`.
 
@@ -68,9 +72,12 @@ def kda_chunk_scan(
     its clusters (None picks each by the shape: `prefill_chain_mosaic.default_options`). The Pallas scan
     multiplies q, k and v as bf16 (other dtypes are rounded to it) and writes o in q's dtype.
     """
-    check_scan_inputs(q, k, v, g, beta, initial_state, lengths)
-    if pick_implementation(implementation, _scan_unsupported(q, v, chunk_size), q.dtype, interpret=interpret) == "reference":
-        return kda_chunk_scan_reference(q, k, v, g, beta, initial_state, chunk_size=chunk_size, lengths=lengths)
+    check_scan_inputs(q, k, v, g, beta, initial_state, lengths, segment_ids)
+    unsupported = _scan_unsupported(q, v, chunk_size, segment_ids)
+    if pick_implementation(implementation, unsupported, q.dtype, interpret=interpret) == "reference":
+        return kda_chunk_scan_reference(
+            q, k, v, g, beta, initial_state, chunk_size=chunk_size, lengths=lengths, segment_ids=segment_ids
+        )
     b, t, h, dk = q.shape
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     if initial_state is None:
@@ -105,10 +112,10 @@ def _pallas_scan_bwd(options, residuals, cotangents):
 _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
 
 
-def kda_recurrent(q, k, v, g, beta, initial_state=None, *, lengths=None):
+def kda_recurrent(q, k, v, g, beta, initial_state=None, *, lengths=None, segment_ids=None):
     """Token-by-token KDA; see `kda_recurrent_reference` (reference only: prefill uses the chunked
     kernel and decode the fused step)."""
-    return kda_recurrent_reference(q, k, v, g, beta, initial_state, lengths=lengths)
+    return kda_recurrent_reference(q, k, v, g, beta, initial_state, lengths=lengths, segment_ids=segment_ids)
 
 
 def _check_decode_inputs(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state):

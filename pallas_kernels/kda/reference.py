@@ -13,12 +13,13 @@ from pallas_kernels.common import HIGHEST
 L2_EPS = 1e-6  # the model's L2-norm epsilon: one value for the references and the kernels
 
 
-def causal_short_conv(x, weight, conv_state=None):
+def causal_short_conv(x, weight, conv_state=None, segment_ids=None):
     """Depthwise causal conv over time, then SiLU, computed in the weight's dtype (fp32).
 
     x [B, T, *C]; weight [K, *C]; conv_state [B, *C, K]: the last K inputs before x (zeros if None),
-    oldest first, as transformers keeps it. Returns (y [B, T, *C] in x.dtype, the new conv_state:
-    the last K inputs of state + x, in x.dtype).
+    oldest first, as transformers keeps it; segment_ids None or [B, T] int: a token's window holds
+    only the inputs of its own segment (the state's belong to the first token's). Returns (y [B, T, *C]
+    in x.dtype, the new conv_state: the last K inputs of state + x, in x.dtype).
     """
     kernel = weight.shape[0]
     t = x.shape[1]
@@ -27,7 +28,13 @@ def causal_short_conv(x, weight, conv_state=None):
     else:
         history = jnp.moveaxis(conv_state, -1, 1).astype(weight.dtype)  # [B, K, *C]
     padded = jnp.concatenate([history, x.astype(weight.dtype)], axis=1)  # [B, K + T, *C]
-    y = sum(padded[:, 1 + j : 1 + j + t] * weight[j] for j in range(kernel))
+    if segment_ids is not None:
+        segments = jnp.concatenate([jnp.repeat(segment_ids[:, :1], kernel, axis=1), segment_ids], axis=1)
+        own = [segments[:, 1 + j : 1 + j + t] == segment_ids for j in range(kernel)]
+        expand = lambda m: m.reshape(*m.shape, *([1] * (x.ndim - 2)))  # noqa: E731
+        y = sum(jnp.where(expand(own[j]), padded[:, 1 + j : 1 + j + t], 0.0) * weight[j] for j in range(kernel))
+    else:
+        y = sum(padded[:, 1 + j : 1 + j + t] * weight[j] for j in range(kernel))
     new_state = jnp.moveaxis(padded[:, t:], 1, -1).astype(x.dtype)
     return jax.nn.silu(y).astype(x.dtype), new_state
 
@@ -52,7 +59,7 @@ def l2_normalise(x):
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def check_scan_inputs(q, k, v, g, beta, initial_state, lengths=None):
+def check_scan_inputs(q, k, v, g, beta, initial_state, lengths=None, segment_ids=None):
     if q.ndim != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, T, H, dk], got {q.shape} and {k.shape}")
     b, t, h, dk = q.shape
@@ -66,6 +73,8 @@ def check_scan_inputs(q, k, v, g, beta, initial_state, lengths=None):
         raise ValueError(f"initial_state must be [B, H, dk, dv] = {(b, h, dk, v.shape[-1])}, got {initial_state.shape}")
     if lengths is not None and (lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer)):
         raise ValueError(f"lengths must be integer [B] = [{b}], got {lengths.dtype}{list(lengths.shape)}")
+    if segment_ids is not None and (segment_ids.shape != (b, t) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids must be integer [B, T] = [{b}, {t}], got {segment_ids.dtype}{list(segment_ids.shape)}")
     if lengths is not None and not isinstance(lengths, jax.core.Tracer):  # values are known outside jit only
         values = np.asarray(lengths)
         if values.size and (values.min() < 0 or values.max() > t):
@@ -90,35 +99,46 @@ def _prepare(q, k, v, g, beta, initial_state, lengths):
     return q, k, v.astype(jnp.float32), g, beta, state
 
 
-def kda_recurrent_reference(q, k, v, g, beta, initial_state=None, *, lengths=None):
+def segment_starts(segment_ids):
+    """[B, T] bool: the tokens whose segment differs from the one before (never the first token,
+    which continues the initial state)."""
+    return jnp.concatenate([jnp.zeros_like(segment_ids[:, :1], jnp.bool_), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+
+
+def kda_recurrent_reference(q, k, v, g, beta, initial_state=None, *, lengths=None, segment_ids=None):
     """Token-by-token KDA. q, k [B, T, H, dk], v [B, T, H, dv], g [B, T, H, dk] (log decay, fp32),
-    beta [B, T, H], lengths [B] or None (all T valid).
+    beta [B, T, H], lengths [B] or None (all T valid), segment_ids [B, T] int or None: where a
+    token's segment differs from the one before, the state is discarded first (packed sequences;
+    the first token continues the initial state).
     Returns (o [B, T, H, dv] in q.dtype, final_state [B, H, dk, dv] fp32)."""
-    check_scan_inputs(q, k, v, g, beta, initial_state, lengths)
+    check_scan_inputs(q, k, v, g, beta, initial_state, lengths, segment_ids)
     out_dtype = q.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, lengths)
+    starts = jnp.zeros(q.shape[:2], jnp.bool_) if segment_ids is None else segment_starts(segment_ids)
 
     def step(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs
-        s = s * jnp.exp(g_t)[..., None]
+        q_t, k_t, v_t, g_t, b_t, start = xs
+        s = jnp.where(start[:, None, None, None], 0.0, s) * jnp.exp(g_t)[..., None]
         predicted = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=HIGHEST)
         delta = (v_t - predicted) * b_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
         return s, jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=HIGHEST)
 
-    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, starts)]
     state, o = jax.lax.scan(step, state, time_major)
     return jnp.moveaxis(o, 0, 1).astype(out_dtype), state
 
 
-def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None):
+def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size=64, lengths=None, segment_ids=None):
     """Chunked (WY) KDA, same arguments and results as `kda_recurrent_reference`.
 
     Within a chunk the delta rule's triangular system is solved exactly; chunks are scanned in
     order, carrying the fp32 state. Pairwise decays exp(G_i - G_j) are formed per channel (never
-    as exp(G_i) * exp(-G_j), which overflows for gates near the lower bound).
+    as exp(G_i) * exp(-G_j), which overflows for gates near the lower bound). With segment_ids a
+    chunk's pairs couple only within a segment, the carried state reaches only the tokens that
+    continue its segment, and the chunk hands on the state of its last segment.
     """
-    check_scan_inputs(q, k, v, g, beta, initial_state, lengths)
+    check_scan_inputs(q, k, v, g, beta, initial_state, lengths, segment_ids)
     out_dtype = q.dtype
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -126,6 +146,9 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
     c = chunk_size
     n_chunks = -(-t // c)
     pad = n_chunks * c - t
+    # Each token's segment, the padding continuing the last one; [N, B, 1, C] as the heads share it.
+    segments = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    segments = jnp.pad(segments, [(0, 0), (0, pad)], mode="edge").reshape(b, n_chunks, 1, c)
 
     def chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...]
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
@@ -134,12 +157,14 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
 
     i_idx = jnp.arange(c)[:, None]
     j_idx = jnp.arange(c)[None, :]
-    causal = j_idx <= i_idx
-    strictly_causal = j_idx < i_idx
     eye = jnp.eye(c, dtype=jnp.float32)
 
-    def step(s, xs):
-        q_c, k_c, v_c, g_c, b_c = xs  # [B, H, C, d], beta [B, H, C]
+    def step(carry, xs):
+        s, state_segment = carry  # the state and the segment it belongs to [B, 1]
+        q_c, k_c, v_c, g_c, b_c, seg = xs  # [B, H, C, d], beta [B, H, C], seg [B, 1, C]
+        same = seg[..., :, None] == seg[..., None, :]  # [B, 1, C_i, C_j]
+        causal, strictly_causal = same & (j_idx <= i_idx), same & (j_idx < i_idx)
+        from_state = (seg == state_segment[..., None])[..., None].astype(jnp.float32)  # [B, 1, C, 1]
         cum = jnp.cumsum(g_c, axis=-2)
         diff = cum[..., :, None, :] - cum[..., None, :, :]  # [B, H, C_i, C_j, dk]
         decay = jnp.exp(jnp.where(causal[..., None], diff, -jnp.inf))
@@ -148,18 +173,20 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
         lower = jnp.where(strictly_causal, kk, 0.0)
         # (I + L)^-1 applied to beta*v and to beta*k*exp(G): the WY representation of the chunk.
         u = solve_triangular(eye + lower, v_c * b_c[..., None], lower=True, unit_diagonal=True)
-        w = solve_triangular(eye + lower, k_beta * jnp.exp(cum), lower=True, unit_diagonal=True)
+        w = solve_triangular(eye + lower, k_beta * jnp.exp(cum) * from_state, lower=True, unit_diagonal=True)
         qk = jnp.where(causal, jnp.einsum("bhid,bhjd,bhijd->bhij", q_c, k_c, decay, precision=HIGHEST), 0.0)
         v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=HIGHEST)
-        o = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(cum), s, precision=HIGHEST)
+        o = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(cum) * from_state, s, precision=HIGHEST)
         o = o + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=HIGHEST)
         last = cum[..., -1:, :]
-        s = s * jnp.exp(last)[..., 0, :, None] + jnp.einsum(
-            "bhck,bhcv->bhkv", k_c * jnp.exp(last - cum), v_new, precision=HIGHEST
+        in_last = (seg == seg[..., -1:])[..., None].astype(jnp.float32)  # [B, 1, C, 1]: the last segment's tokens
+        s = s * (jnp.exp(last)[..., 0, :, None] * from_state[..., -1:, :]) + jnp.einsum(
+            "bhck,bhcv->bhkv", k_c * jnp.exp(last - cum) * in_last, v_new, precision=HIGHEST
         )
-        return s, o
+        return (s, seg[..., -1]), o
 
-    state, o = jax.lax.scan(step, state, [chunks(x) for x in (q, k, v, g)] + [chunks(beta)])
+    xs = [chunks(x) for x in (q, k, v, g)] + [chunks(beta), jnp.moveaxis(segments, 1, 0)]
+    (state, _), o = jax.lax.scan(step, (state, segments[:, 0, :, 0]), xs)
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, dv]
     o = jnp.moveaxis(o, 2, 3).reshape(b, n_chunks * c, h, dv)[:, :t]
     return o.astype(out_dtype), state

@@ -4,8 +4,10 @@
 
 from pallas_kernels.select_tokens.api import select_tokens
 from pallas_kernels.select_tokens.reference import (
+    PackedPools,
     candidate_scores_reference,
     first_valid_key,
+    packed_pools,
     pool_scores,
     pool_token_indices,
     pool_validity,
@@ -16,6 +18,8 @@ from pallas_kernels.select_tokens.reference import (
 )
 
 __all__ = [
+    "PackedPools",
+    "packed_pools",
     "candidate_scores_reference",
     "first_valid_key",
     "pool_scores",

@@ -50,12 +50,14 @@ def _kernel_unsupported(q_idx, pool_keys, backend):
 
 def select_tokens(
     q_idx, head_weights, pool_keys, key_valid, query_positions, *, index_topk, pool_size, select_tail=True,
-    implementation=None, backend="triton", interpret=False,
+    segment_ids=None, implementation=None, backend="triton", interpret=False,
 ):
     """The arguments and result as `select_tokens_reference`'s (with the kernels, each row's pools in
     their order rather than best first). `implementation`: None (the scores and top-k kernels on GPU
     for bf16 q_idx and pool keys, else the reference), "reference" or "pallas"; `interpret` runs the
-    kernels in Pallas' interpreter. `backend`: the scores kernel's, "triton" or "mosaic"."""
+    kernels in Pallas' interpreter. `backend`: the scores kernel's, "triton" or "mosaic". segment_ids:
+    packed sequences, as `select_tokens_reference` takes them (the kernels' scores masked to each
+    query's own segment's pools before the ranking)."""
     b, t, nh, hd = q_idx.shape
     s = key_valid.shape[-1] if key_valid.ndim == 2 else None
     if head_weights.shape != (b, t, nh):
@@ -70,9 +72,11 @@ def select_tokens(
         raise ValueError(f"index_topk ({index_topk}) must be a positive multiple of pool_size ({pool_size})")
     if pool_keys.shape[1] * pool_size > s:
         raise ValueError(f"{pool_keys.shape[1]} pools of {pool_size} do not fit in {s} keys")
+    if segment_ids is not None and segment_ids.shape != (b, s):
+        raise ValueError(f"segment_ids must be [B, S] = {(b, s)}, got {segment_ids.shape}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    kw = dict(index_topk=index_topk, pool_size=pool_size, select_tail=select_tail)
+    kw = dict(index_topk=index_topk, pool_size=pool_size, select_tail=select_tail, segment_ids=segment_ids)
     unsupported = _kernel_unsupported(q_idx, pool_keys, backend)
     if pick_implementation(implementation, unsupported, q_idx.dtype, interpret=interpret) == "reference":
         return select_tokens_reference(q_idx, head_weights, pool_keys, key_valid, query_positions, **kw)

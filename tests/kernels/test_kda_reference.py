@@ -97,3 +97,64 @@ def test_decode_steps_equal_the_sequence(lower_bound):
         outs.append(o)
     assert relative_error(jnp.stack(outs, 1), o_seq) < 1e-5
     assert relative_error(state, s_seq) < 1e-5
+
+
+# Segment runs of each row: a one-token segment, boundaries inside and on chunk edges, a last segment
+# ending the row (its state is the row's final state).
+SEGMENT_RUNS = [[40, 1, 89, 20], [64, 86]]
+
+
+def segments_of(runs, t):
+    ids = np.zeros((len(runs), t), np.int32)
+    for row, lengths in enumerate(runs):
+        ids[row] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    return ids
+
+
+@pytest.mark.parametrize("scan", ["chunked", "recurrent"])
+def test_segments_run_as_sequences_apart(scan):
+    """Packed sequences: each segment's outputs are those it gets alone (the first continuing the
+    initial state), and the final state is the last segment's."""
+    t = 150
+    q, k, v, g, beta = random_inputs(jax.random.key(5), 2, t, 2, 16)
+    s0 = jax.random.normal(jax.random.key(6), (2, 2, 16, 16))
+    ids = segments_of(SEGMENT_RUNS, t)
+    run = kda.kda_chunk_scan_reference if scan == "chunked" else kda.kda_recurrent_reference
+    o, state = run(q, k, v, g, beta, s0, segment_ids=jnp.asarray(ids))
+    for row, lengths in enumerate(SEGMENT_RUNS):
+        start = 0
+        for n in lengths:
+            part = slice(start, start + n)
+            init = s0[row : row + 1] if start == 0 else None
+            o_alone, s_alone = kda.kda_recurrent_reference(
+                *(x[row : row + 1, part] for x in (q, k, v, g, beta)), init
+            )
+            assert relative_error(o[row : row + 1, part], o_alone) < 1e-5, (row, start)
+            start += n
+        assert relative_error(state[row : row + 1], s_alone) < 1e-5
+    # Without the segments the later ones would see their predecessors' state.
+    o_whole, _ = run(q, k, v, g, beta, s0)
+    assert relative_error(o_whole[:, 41:], o[:, 41:]) > 1e-2
+
+
+def test_the_short_conv_stays_within_a_segment():
+    t = 150
+    x = jax.random.normal(jax.random.key(8), (2, t, 3, 8))
+    weight = jax.random.normal(jax.random.key(9), (4, 3, 8))
+    state = jax.random.normal(jax.random.key(10), (2, 3, 8, 4))
+    ids = segments_of(SEGMENT_RUNS, t)
+    y, _ = kda.causal_short_conv(x, weight, state, segment_ids=jnp.asarray(ids))
+    for row, lengths in enumerate(SEGMENT_RUNS):
+        start = 0
+        for n in lengths:
+            alone, _ = kda.causal_short_conv(x[row : row + 1, start : start + n], weight,
+                                             state[row : row + 1] if start == 0 else None)
+            np.testing.assert_allclose(y[row : row + 1, start : start + n], alone, rtol=1e-6, atol=1e-6)
+            start += n
+
+
+def test_the_pallas_scan_declines_segments():
+    q, k, v, g, beta = random_inputs(jax.random.key(11), 1, 64, 1, 128, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="no segment_ids"):
+        kda.kda_chunk_scan(q, k, v, g, beta, segment_ids=jnp.ones((1, 64), jnp.int32), implementation="pallas",
+                           interpret=True)

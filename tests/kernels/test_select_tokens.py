@@ -360,3 +360,61 @@ def test_the_mosaic_kernel_refuses_what_it_cannot_take():
         st.select_tokens(q, w, keys, mask, positions, **kw)
     with pytest.raises(ValueError, match="backend must be one of"):
         st.select_tokens(q, w, keys, mask, positions, index_topk=8, pool_size=4, backend="cuda")
+
+
+PACKED_RUNS = [[37, 50, 5, 4], [70, 25]]  # documents a row (the second row right-padded to 96)
+
+
+def packed_case(seed, pool=4, nh=4, hd=32, dtype=jnp.float32):
+    """Queries over 96 keys packed with the documents of PACKED_RUNS: per-token key features pooled
+    (mean of each pool's tokens) in `packed_pools`' order."""
+    t = 96
+    ids = np.zeros((2, t), np.int32)
+    for row, lengths in enumerate(PACKED_RUNS):
+        ids[row, : sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (2, t, nh, hd), dtype)
+    w = jax.random.normal(ks[1], (2, t, nh)) * nh**-0.5
+    features = jax.random.normal(ks[2], (2, t, hd))
+    pools = st.packed_pools(jnp.asarray(ids), t // pool, pool)
+    members = pools.starts[..., None] + jnp.arange(pool)
+    keys = jnp.take_along_axis(features, members.reshape(2, -1, 1), axis=1).reshape(2, -1, pool, hd).mean(2)
+    return q, w, keys.astype(dtype), features, jnp.asarray(ids)
+
+
+def test_packed_documents_select_as_they_would_alone():
+    pool, topk = 4, 16
+    q, w, keys, features, ids = packed_case(0, pool)
+    positions = jnp.broadcast_to(jnp.arange(96, dtype=jnp.int32), (2, 96))
+    got = as_sets(st.select_tokens(q, w, keys, ids > 0, positions, index_topk=topk, pool_size=pool, segment_ids=ids))
+    sparse = 0
+    for row, lengths in enumerate(PACKED_RUNS):
+        start = 0
+        for n in lengths:
+            part = slice(start, start + n)
+            alone_keys = features[row : row + 1, part][:, : n // pool * pool].reshape(1, -1, pool, features.shape[-1]).mean(2)
+            alone = st.select_tokens(q[row : row + 1, part], w[row : row + 1, part], alone_keys, jnp.ones((1, n), bool),
+                                     positions[:1, :n], index_topk=topk, pool_size=pool)
+            for i, chosen in enumerate(as_sets(alone)[0]):
+                assert got[row][start + i] == {start + j for j in chosen}, (row, start, i)
+                sparse += len(chosen) < i + 1
+            start += n
+        assert all(not chosen for chosen in got[row][start:])  # padding selects nothing
+    assert sparse > 50  # documents longer than topk + pool - 1 keys rank their pools
+
+
+def test_packed_selection_through_the_kernels_is_the_references():
+    q, w, keys, _, ids = packed_case(1, dtype=jnp.bfloat16)
+    positions = jnp.broadcast_to(jnp.arange(96, dtype=jnp.int32), (2, 96))
+    kw = dict(index_topk=16, pool_size=4, segment_ids=ids)
+    want = st.select_tokens(q, w, keys, ids > 0, positions, implementation="reference", **kw)
+    got = st.select_tokens(q, w, keys, ids > 0, positions, implementation="pallas", interpret=True, **kw)
+    np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
+
+
+def test_a_lone_sequences_pools_are_the_usual_ones():
+    mask = jnp.arange(23)[None] >= jnp.array([[0], [3]])
+    pools = st.packed_pools(mask.astype(jnp.int32), 5, 4)
+    np.testing.assert_array_equal(pools.starts, st.pool_token_indices(st.first_valid_key(mask), 5, 4)[..., 0]
+                                  * np.asarray(st.pool_validity(mask, 5, 4)))
+    np.testing.assert_array_equal(pools.valid, st.pool_validity(mask, 5, 4))
