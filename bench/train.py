@@ -147,10 +147,13 @@ def bench_train_step(batch, seq, remat, results):
     ids = jax.random.randint(jax.random.key(1), (batch, seq), 2, config.vocab_size)
     mask = jnp.ones((batch, seq), jnp.int32)
     times = []
+    log(f"\ntrain step, wider MoE config, {batch} x {seq} tokens, remat {remat}: compiling")
     for i in range(10):
         start = time.perf_counter()
         state, metrics = step(state, ids, mask, config=config, optimizer=optimizer, remat=remat)
         jax.block_until_ready(metrics)
+        if i == 0:  # a run cut short still says how far it got
+            log(f"first step (compile and run): {time.perf_counter() - start:.1f} s")
         if i >= 2:  # the first two compile and warm up
             times.append((time.perf_counter() - start) * 1e3)
     ms = statistics.median(times)
