@@ -1,4 +1,4 @@
-"""Command line: `glm5next-jax {generate,logits,convert,info,check}` (see --help of each).
+"""Command line: `glm5next-jax {generate,logits,convert,info,check,train}` (see --help of each).
 
 --checkpoint takes a transformers checkpoint directory or an orbax directory made by `convert`;
 --mesh spreads the model over devices by a layout (`sharding.make_layout`: "tp-ep:8", "3d:2x2x2").
@@ -207,6 +207,22 @@ def cmd_check(args):
     return 0 if report.ok else 2
 
 
+def cmd_train(args):
+    from .train.run import fine_tune
+
+    tokenizer_path = args.tokenizer or os.path.join(args.checkpoint, "tokenizer.json")
+    if not args.tokenizer and not os.path.isfile(tokenizer_path):
+        raise InputError(f"{args.checkpoint} holds no tokenizer.json: name one with --tokenizer")
+    tokenizer = read_tokenizer(tokenizer_path)
+    losses = fine_tune(
+        args.checkpoint, args.data, tokenizer, args.out, steps=args.steps, batch=args.batch, row_tokens=args.seq_len,
+        learning_rate=args.lr, save_every=args.save_every, resume=args.resume, dtype=args.dtype, layout=layout_of(args),
+        remat=args.remat, field=args.field, progress=PROGRESS[args.progress],
+    )
+    if losses:
+        print(f"loss {losses[0]:.4f} at step 1, {losses[-1]:.4f} at step {len(losses)}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="glm5next-jax", description="GLM-5-Next in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -270,6 +286,26 @@ def main(argv=None):
                    help='bytes a device under this layout, worked out without its devices ("tp:8", "tp-ep:8", "3d:2x2x2")')
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="of the loaded parameters")
     p.set_defaults(run=cmd_check)
+
+    p = sub.add_parser("train", help="fine-tune on a JSON-lines file of texts, packed; resumable")
+    p.add_argument("checkpoint", nargs="?", default=DEFAULT_CHECKPOINT,
+                   help="checkpoint directory (default: the shipped tiny one)")
+    p.add_argument("--data", required=True, help='a JSON-lines file, one {"text": ...} document a line')
+    p.add_argument("--out", required=True, help="the run's folder: state/, losses.json, loss.png, params/")
+    p.add_argument("--tokenizer", help="a tokenizer.json (default: the checkpoint's)")
+    p.add_argument("--field", default="text", help="the records' text field")
+    p.add_argument("--steps", type=int, default=100, help="steps in all (a resumed run counts the saved ones)")
+    p.add_argument("--batch", type=int, default=8, help="rows a step")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens a row (documents are packed whole)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate")
+    p.add_argument("--save-every", type=int, default=50, help="save the run's state every this many steps")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what a layer keeps for the backward")
+    p.add_argument("--progress", default="auto", choices=sorted(PROGRESS),
+                   help="a bar with the loss, tokens/s and ETA (auto: when stderr is a terminal)")
+    p.add_argument("--mesh", default="none", metavar="LAYOUT", help='train over devices: "tp:8", "3d:2x2x2", ...')
+    p.set_defaults(run=cmd_train)
 
     args = parser.parse_args(argv)
     if getattr(args, "compilation_cache", "none") != "none":
