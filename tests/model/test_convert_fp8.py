@@ -77,9 +77,10 @@ def test_converted_weights_are_transformers_quantizer_and_the_release_rule(golde
     assert sorted(kept) == sorted(n for n in files.names() if n not in fp8 and not n.endswith("_scale_inv"))
     for name in kept:
         assert np.array_equal(files.get_stored(name), source.get_stored(name)), name
+    # Beside the weights, the source's other files (generation_config.json, tokenizer.json) come along.
     assert sorted(os.listdir(out)) == sorted(
         [f for f in os.listdir(out) if f.endswith(".safetensors")] + ["config.json", "generation_config.json",
-                                                                      "model.safetensors.index.json"]
+                                                                      "model.safetensors.index.json", "tokenizer.json"]
     )
 
 

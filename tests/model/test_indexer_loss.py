@@ -3,6 +3,7 @@ against a per-query numpy computation from the layer's parameters, the main mode
 bit-identical with it and without it, and the dense warm-up training the indexers alone."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -11,6 +12,8 @@ from conftest import SHIPPED, load_model
 from glm5next_jax import forward, load_checkpoint, train
 from glm5next_jax.config import DSA
 from glm5next_jax.errors import InputError
+from glm5next_jax.layers.dsa import dsa_layer
+from glm5next_jax.layers.indexer_loss import indexer_kl
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +116,37 @@ def test_the_stages_differ_only_where_the_selection_is_sparse(batch):
     assert abs(losses[48, "dense"] - losses[48, "sparse"]) > 1e-4 * losses[48, "dense"]
 
 
+def test_the_layers_gradients_are_bit_identical_with_the_loss_on_and_off(batch):
+    """At the full DSA layer: the gradients of its parameters but the indexer's and of its input h
+    (all that the rest of the model gets from it) are the same bits with its KL added; the indexer's
+    come from the KL alone."""
+    config, params, ids, mask = batch
+    _, internals = forward(params, config, ids, mask, return_internals=True)
+    layer = next(i for i, t in enumerate(config.layer_types) if t == DSA)
+    key_valid = jnp.asarray(mask, bool)
+    probe = jax.random.normal(jax.random.key(0), internals[layer]["attention_output"].shape)
+
+    def objective(p, h, with_loss):
+        y, indices = dsa_layer(p, h, config, key_valid)
+        value = jnp.sum(y * probe)
+        return value + indexer_kl(p, h, key_valid, indices, config, "sparse") if with_loss else value
+
+    args = (params["layers"][layer]["attn"], internals[layer]["attention_input"])
+    off = jax.jit(jax.grad(objective, argnums=(0, 1)), static_argnums=2)(*args, False)
+    on = jax.jit(jax.grad(objective, argnums=(0, 1)), static_argnums=2)(*args, True)
+    np.testing.assert_array_equal(np.asarray(off[1]), np.asarray(on[1]))
+    for (where, a), b in zip(jax.tree_util.tree_leaves_with_path(off[0]), jax.tree.leaves(on[0]), strict=True):
+        name = jax.tree_util.keystr(where)
+        if "indexer" in name:
+            assert not np.any(np.asarray(a)) and np.any(np.asarray(b)), name
+        else:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@pytest.mark.slow
 def test_the_main_gradients_are_bit_identical_with_the_loss_on_and_off(batch):
+    """The whole model's gradients (two compiles of its backward pass: 96 s in CI, so marked slow;
+    the layer's test above runs by default)."""
     config, params, ids, mask = batch
 
     def objective(p, stage):

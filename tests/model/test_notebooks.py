@@ -11,6 +11,8 @@ from conftest import ROOT
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+# Run with -m slow only (the default run's time is bounded): its figures are saved in the notebook.
+SLOW = {"dsa_selection.ipynb"}
 
 
 def execute(path):
@@ -20,11 +22,17 @@ def execute(path):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(request):
+    """The selected notebooks' runs, all started at once, two at a time."""
+    chosen = [item.callspec.params["path"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_notebook_runs"]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        yield {path: pool.submit(execute, path) for path in NOTEBOOKS}
+        yield {path: pool.submit(execute, path) for path in chosen}
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, marks=pytest.mark.slow) if os.path.basename(p) in SLOW else p for p in NOTEBOOKS],
+    ids=os.path.basename,
+)
 def test_notebook_runs(runs, path):
     runs[path].result()
