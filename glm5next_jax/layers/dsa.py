@@ -36,22 +36,18 @@ def pool_key_of(keys, gate, ape):
     return jnp.sum(probs * keys, axis=-2)
 
 
-def pool_keys(k_idx, gate, ape, first_key, n_pools, starts=None):
-    """Keys of the first n_pools pools of a whole sequence; pool p starts at first_key + p * P, or at
-    starts[:, p] ([B, n_pools], packed sequences' pools: `packed_pools`).
+def pool_keys(k_idx, gate, ape, starts):
+    """Keys of the pools that start at the keys `starts` [B, n_pools] (each P tokens long).
 
-    k_idx, gate [B, S, hd]; ape [P, hd]; first_key [B]. A pool reaching past S repeats the last
-    token; it is never valid, and validity is the selection's concern.
+    k_idx, gate [B, S, hd]; ape [P, hd]. A pool reaching past S repeats the last token; it is never
+    valid, and validity is the selection's concern.
     """
     b, s, hd = k_idx.shape
+    n_pools, size = starts.shape[1], ape.shape[0]
     if n_pools == 0:
         return jnp.zeros((b, 0, hd), k_idx.dtype)
-    if starts is None:
-        idx = pool_token_indices(first_key, n_pools, ape.shape[0])
-    else:
-        idx = starts[..., None] + jnp.arange(ape.shape[0], dtype=jnp.int32)
-    flat = jnp.clip(idx.reshape(b, -1, 1), 0, s - 1)
-    group = lambda x: jnp.take_along_axis(x, flat, axis=1).reshape(b, n_pools, ape.shape[0], hd)  # noqa: E731
+    flat = jnp.clip((starts[..., None] + jnp.arange(size, dtype=jnp.int32)).reshape(b, -1, 1), 0, s - 1)
+    group = lambda x: jnp.take_along_axis(x, flat, axis=1).reshape(b, n_pools, size, hd)  # noqa: E731
     return pool_key_of(group(k_idx), group(gate), ape)
 
 
@@ -130,11 +126,14 @@ def indexer_select(p, h, q_resid, key_valid, config, implementation=None, interp
     b, t = h.shape[:2]
     n_pools = t // config.index_kpool
     k_idx, gate = indexer_keys(p, h)
-    starts = None if segment_ids is None else packed_pools(segment_ids, n_pools, config.index_kpool).starts
+    if segment_ids is None:  # pool p starts at the first valid key + p * P
+        starts = pool_token_indices(first_valid_key(key_valid), n_pools, config.index_kpool)[..., 0]
+    else:
+        starts = packed_pools(segment_ids, n_pools, config.index_kpool).starts
     return select(
         indexer_queries(p, q_resid, config),
         indexer_head_weights(p, h),
-        pool_keys(k_idx, gate, p["ape"], first_valid_key(key_valid), n_pools, starts),
+        pool_keys(k_idx, gate, p["ape"], starts),
         key_valid,
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
         config, implementation, interpret, layout, segment_ids,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import HIGHEST, map_query_blocks
-from pallas_kernels.select_tokens import first_valid_key, packed_pools, pool_scores
+from pallas_kernels.select_tokens import packed_pools, pool_scores
 
 from .common import linear, rms_norm
 from .dsa import indexer_head_weights, indexer_keys, indexer_queries, latent_query, pool_keys
@@ -79,7 +79,7 @@ def indexer_kl(p, h, key_valid, indices, config, stage, segment_ids=None):
     q_resid = rms_norm(linear(h, main["q_a_proj"]), main["q_a_norm"], config.rms_norm_eps)
     latents = rms_norm(linear(h, main["kv_a_proj"]), main["kv_a_norm"], config.rms_norm_eps)
     k_idx, gate = indexer_keys(ip, h)
-    keys = pool_keys(k_idx, gate, ip["ape"], first_valid_key(key_valid), n_pools, pools.starts)
+    keys = pool_keys(k_idx, gate, ip["ape"], pools.starts)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     pool_tokens = jnp.clip(pools.starts[..., None] + jnp.arange(size, dtype=jnp.int32), 0, t - 1)
     seen = positions - pools.segment_start + 1  # keys of its segment up to each query

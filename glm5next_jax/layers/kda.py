@@ -67,20 +67,16 @@ def scan_implementation(config, implementation):
 
 
 def chunk_scan(q, k, v, g, beta, state, config, implementation, interpret, layout, segment_ids=None):
-    """The chunked scan (state None: zeros; segment_ids: packed sequences, on the reference), on each
-    device's batch rows and heads under a layout."""
+    """The chunked scan (state None: zeros; segment_ids: packed sequences, which the Pallas scan
+    declines), on each device's batch rows and heads under a layout."""
     implementation = scan_implementation(config, implementation)
     if state is None:
         state = jnp.zeros((*q.shape[:1], *q.shape[2:], v.shape[-1]), jnp.float32)
-    if segment_ids is None:
-        scan = lambda *args: kda_core.kda_chunk_scan(*args, implementation=implementation, interpret=interpret)  # noqa: E731
-        in_axes, args = (TOKEN_HEADS,) * 4 + (TOKEN_HEADS[:3], STATE), (q, k, v, g, beta, state)
-    else:
-        if implementation == "pallas":
-            raise InputError("the Pallas KDA scan takes no segment_ids: packed sequences need implementation=None or 'reference'")
-        scan = lambda *args: kda_core.kda_chunk_scan(*args[:6], segment_ids=args[6], implementation="reference")  # noqa: E731
-        in_axes = (TOKEN_HEADS,) * 4 + (TOKEN_HEADS[:3], STATE, ("batch", "sequence"))
-        args = (q, k, v, g, beta, state, segment_ids)
+    scan = lambda *args: kda_core.kda_chunk_scan(  # noqa: E731
+        *args[:6], segment_ids=args[6] if len(args) > 6 else None, implementation=implementation, interpret=interpret
+    )
+    in_axes = (TOKEN_HEADS,) * 4 + (TOKEN_HEADS[:3], STATE) + ((("batch", "sequence"),) if segment_ids is not None else ())
+    args = (q, k, v, g, beta, state) + ((segment_ids,) if segment_ids is not None else ())
     return shard_mapped(layout, scan, in_axes, (TOKEN_HEADS, STATE))(*args)
 
 

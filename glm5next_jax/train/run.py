@@ -29,7 +29,9 @@ from .step import STATIC, inference_params, init_train_state, train_step
 
 
 def _write_json(path, value):
-    """value as JSON at path, replacing what is there only once it is whole on disk."""
+    """value as JSON at path (process 0's), replacing what is there only once it is whole on disk."""
+    if jax.process_index() != 0:
+        return
     partial = path + ".partial"
     with open(partial, "w") as f:
         json.dump(value, f)

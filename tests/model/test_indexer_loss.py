@@ -145,8 +145,8 @@ def test_the_layers_gradients_are_bit_identical_with_the_loss_on_and_off(batch):
 
 @pytest.mark.slow
 def test_the_main_gradients_are_bit_identical_with_the_loss_on_and_off(batch):
-    """The whole model's gradients (two compiles of its backward pass: 96 s in CI, so marked slow;
-    the layer's test above runs by default)."""
+    """The whole model's gradients, on and off: two compiles of its backward pass, the module's
+    slowest, so run with -m slow; the layer's test above checks the same property by default."""
     config, params, ids, mask = batch
 
     def objective(p, stage):
