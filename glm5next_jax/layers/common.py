@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import block_fp8, moe_gemm
 
+from ..lora import LoraWeight, lora_product
 from ..params import Fp8Weight
 
 # fp32 weights mean fp32 arithmetic (no TF32 on GPU); bf16 weights are unaffected by this setting.
@@ -13,7 +14,9 @@ PRECISION = jax.lax.Precision.HIGHEST
 
 def linear(x, w):
     """x [..., in] times w [in, *out] -> [..., *out], in x's dtype; an `Fp8Weight` [*out, in] goes
-    through `fp8_linear`."""
+    through `fp8_linear`; a `LoraWeight` adds its adapter's low-rank product to its base's."""
+    if isinstance(w, LoraWeight):
+        return linear(x, w.base) + lora_product(x, w)
     if isinstance(w, Fp8Weight):
         return fp8_linear(x, w)
     return jnp.tensordot(x, w, axes=1, precision=PRECISION).astype(x.dtype)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import block_fp8, moe_gemm
 
+from ..errors import InputError
+from ..lora import LoraWeight, expert_rows
 from ..params import Fp8Weight, to_out_in
 from .common import PRECISION, fp8_linear, linear, quantize_split_rows
 
@@ -113,7 +115,10 @@ def routed_experts(p, tokens, weights, experts, config, implementation=None, int
     over the experts held here: p's experts_gate_up [E_local, D, 2, I] and experts_down
     [E_local, I, D] (or their `Fp8Weight` forms) are experts first_expert .. first_expert + E_local - 1;
     a token's other choices add nothing. weights, experts [N, k] from `route`. width_split: the mesh
-    axes that split the experts' width I here (inside `shard_map`)."""
+    axes that split the experts' width I here (inside `shard_map`). LoRA-adapted expert weights
+    (`lora.LoraWeight`) add their adapters over the same tiled rows (`lora.expert_rows`)."""
+    adapted = {name: p[name] for name in ("experts_gate_up", "experts_down") if isinstance(p[name], LoraWeight)}
+    p = {**p, **{name: w.base for name, w in adapted.items()}}
     fp8 = isinstance(p["experts_down"], Fp8Weight)
     e_local = (p["experts_down"].weight if fp8 else p["experts_down"]).shape[0]
     k = config.num_experts_per_tok
@@ -132,8 +137,13 @@ def routed_experts(p, tokens, weights, experts, config, implementation=None, int
     token_of_row = order // k
     token_of_slot = jnp.zeros(tiles.tile_experts.shape[0] * gemms.block_rows, jnp.int32).at[tiles.slots].set(token_of_row)
     hidden = gemms.gate_up(token_of_slot, tiles)
+    if "experts_gate_up" in adapted:
+        hidden = hidden + expert_rows(tokens[token_of_slot], adapted["experts_gate_up"], tiles.tile_experts,
+                                      gemms.block_rows)
     hidden = clamped_swiglu(hidden.reshape(hidden.shape[0], 2, -1), config.swiglu_limit)
     down = gemms.down(hidden, tiles)
+    if "experts_down" in adapted:
+        down = down + expert_rows(hidden, adapted["experts_down"], tiles.tile_experts, gemms.block_rows)
     # Where each token's choices came out in the tiled layout: the sort's inverse, through the slots.
     slot_of_choice = jnp.zeros_like(local).at[order].set(tiles.slots).reshape(experts.shape)
     return combine(down, slot_of_choice, experts, weights, tokens.dtype, here)
@@ -201,6 +211,9 @@ def expert_parallel(p, tokens, config, implementation, interpret, layout):
     expert axes and over the experts' split intermediate width are all-reduced. (At 8 devices and 8
     experts a token this moves as many bytes as an all-to-all dispatch and combine of each token's
     8 rows, with no capacity to size and nothing dropped.)"""
+    if any(isinstance(p[name], LoraWeight) for name in ("experts_gate_up", "experts_down")):
+        raise InputError("LoRA adapters on the routed experts run on one device (layout=None) only: merge them "
+                         "(`lora.merge`) or leave the experts out of the targets under a mesh")
     weight_axes = ("experts", "embed", None, "expert_mlp")
     batch_axes, expert_axes = layout.mesh_axes("batch"), layout.mesh_axes("experts", weight_axes)
     gathered = tuple(a for a in batch_axes if a in expert_axes)
