@@ -214,10 +214,18 @@ def cmd_train(args):
     if not args.tokenizer and not os.path.isfile(tokenizer_path):
         raise InputError(f"{args.checkpoint} holds no tokenizer.json: name one with --tokenizer")
     tokenizer = read_tokenizer(tokenizer_path)
+    spec = None
+    if args.lora is not None:
+        from .lora import TARGETS, LoraSpec
+
+        targets = tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else TARGETS
+        spec = LoraSpec(rank=args.lora, alpha=args.lora_alpha or 2.0 * args.lora, targets=targets)
+    elif args.merge or args.lora_alpha or args.lora_targets:
+        raise InputError("--merge, --lora-alpha and --lora-targets go with --lora RANK")
     losses = fine_tune(
         args.checkpoint, args.data, tokenizer, args.out, steps=args.steps, batch=args.batch, row_tokens=args.seq_len,
         learning_rate=args.lr, save_every=args.save_every, resume=args.resume, dtype=args.dtype, layout=layout_of(args),
-        remat=args.remat, field=args.field, progress=PROGRESS[args.progress],
+        remat=args.remat, field=args.field, progress=PROGRESS[args.progress], lora=spec, merge=args.merge,
     )
     if losses:
         print(f"loss {losses[0]:.4f} at step 1, {losses[-1]:.4f} at step {len(losses)}")
@@ -291,7 +299,7 @@ def main(argv=None):
     p.add_argument("checkpoint", nargs="?", default=DEFAULT_CHECKPOINT,
                    help="checkpoint directory (default: the shipped tiny one)")
     p.add_argument("--data", required=True, help='a JSON-lines file, one {"text": ...} document a line')
-    p.add_argument("--out", required=True, help="the run's folder: state/, losses.json, loss.png, params/")
+    p.add_argument("--out", required=True, help="the run's folder: state/, losses.json, loss.png, params/ or adapter/")
     p.add_argument("--tokenizer", help="a tokenizer.json (default: the checkpoint's)")
     p.add_argument("--field", default="text", help="the records' text field")
     p.add_argument("--steps", type=int, default=100, help="steps in all (a resumed run counts the saved ones)")
@@ -305,6 +313,12 @@ def main(argv=None):
     p.add_argument("--progress", default="auto", choices=sorted(PROGRESS),
                    help="a bar with the loss, tokens/s and ETA (auto: when stderr is a terminal)")
     p.add_argument("--mesh", default="none", metavar="LAYOUT", help='train over devices: "tp:8", "3d:2x2x2", ...')
+    p.add_argument("--lora", type=int, metavar="RANK", help="train LoRA adapters of this rank, the base frozen; "
+                   "writes adapter/ in PEFT's format")
+    p.add_argument("--lora-alpha", type=float, help="LoRA's alpha (default: 2 x RANK); the adapters' scale is alpha / RANK")
+    p.add_argument("--lora-targets", help="comma-separated module names (default: every attention, MLP and expert "
+                   "projection: " + "q_proj,k_proj,...,experts.gate_up_proj,experts.down_proj)")
+    p.add_argument("--merge", action="store_true", help="with --lora: also write the merged model into params/")
     p.set_defaults(run=cmd_train)
 
     args = parser.parse_args(argv)

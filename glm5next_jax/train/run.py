@@ -5,8 +5,14 @@ where the saved state stopped (the same batches, the same optimizer state), then
 (`losses.json`, and `loss.png` where matplotlib is installed) and the fine-tuned parameters in the
 inference form (`params/`, a folder `generate --checkpoint` reads).
 
-The folder `out` holds: state/ (`store.save_train_state`: params, AdamW's moments, the step, the rows
-consumed), losses.json (each step's loss, rewritten with each save), loss.png, params/.
+With `lora` (a `lora.LoraSpec`) the base stays frozen and only adapters train (`lora_train_step`):
+the state holds the adapters and their moments, the run ends with the adapters in PEFT's format
+(`adapter/`, which `PeftModel.from_pretrained` and `lora.load_adapters` read), and `params/` (the
+merged model) only when `merge` asks for it.
+
+The folder `out` holds: state/ (`store.save_train_state`: params or adapters, AdamW's moments, the
+step, the rows consumed), losses.json (each step's loss, rewritten with each save), loss.png,
+params/, adapter/.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ import jax
 import numpy as np
 import optax
 
+from .. import lora as lora_adapters
 from .. import store
 from ..checkpoint import load_checkpoint
 from ..errors import InputError
 from .data import pack_rows, read_documents
-from .step import STATIC, inference_params, init_train_state, train_step
+from .step import LORA_STATIC, STATIC, inference_params, init_train_state, lora_train_step, train_step
 
 
 def _write_json(path, value):
@@ -48,6 +55,7 @@ def adamw(learning_rate):
 
 
 _STEP = jax.jit(train_step, static_argnames=STATIC, donate_argnums=0)
+_LORA_STEP = jax.jit(lora_train_step, static_argnames=LORA_STATIC, donate_argnums=0)
 
 
 def plot_losses(losses, path):
@@ -72,11 +80,13 @@ def plot_losses(losses, path):
 
 def fine_tune(checkpoint, data, tokenizer, out, *, steps, batch=8, row_tokens=512, learning_rate=1e-4,
               save_every=50, resume=False, dtype="float32", layout=None, remat="none", field="text",
-              progress="auto", log=None):
+              progress="auto", log=None, lora=None, merge=False):
     """Run (or with `resume`, continue) a fine-tuning of `checkpoint` on `data` for `steps` steps in
     all; returns each step's loss. tokenizer: a `tokenizers.Tokenizer`; batch rows of row_tokens
     tokens a step; progress: "auto" (a bar with the loss, tokens/s and ETA when stderr is a
-    terminal), True or False; log(line) gets the data's report and each save (default: stderr)."""
+    terminal), True or False; log(line) gets the data's report and each save (default: stderr);
+    lora: None (full fine-tuning) or a `lora.LoraSpec` (adapters alone; `merge`: also write the
+    merged model into params/)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     for name, value in (("steps", steps), ("batch", batch), ("row_tokens", row_tokens), ("save_every", save_every)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -97,7 +107,8 @@ def fine_tune(checkpoint, data, tokenizer, out, *, steps, batch=8, row_tokens=51
         f"({sum(len(d) for d in documents.tokens)} tokens) in {len(ids)} rows of {row_tokens}; skipped: {skipped}")
 
     optimizer = adamw(learning_rate)
-    state, position, losses = init_train_state(params, optimizer), 0, []
+    trained = params if lora is None else lora_adapters.init_adapters(params, config, lora, jax.random.key(0))
+    state, position, losses = init_train_state(trained, optimizer), 0, []
     if layout is None:  # committed to the device, as a restored state is: both take one compiled step
         state = jax.device_put(state, jax.devices()[0])
     if resume and os.path.exists(os.path.join(state_dir, store.TRAIN_META)):
@@ -119,8 +130,12 @@ def fine_tune(checkpoint, data, tokenizer, out, *, steps, batch=8, row_tokens=51
     while int(state.step) < steps:
         rows = np.arange(position, position + batch) % len(ids)
         start = time.perf_counter()
-        state, metrics = _STEP(state, ids[rows], config=config, optimizer=optimizer, layout=layout, remat=remat,
-                              segment_ids=segments[rows])
+        if lora is None:
+            state, metrics = _STEP(state, ids[rows], config=config, optimizer=optimizer, layout=layout, remat=remat,
+                                  segment_ids=segments[rows])
+        else:
+            state, metrics = _LORA_STEP(state, params, ids[rows], config=config, spec=lora, optimizer=optimizer,
+                                       layout=layout, remat=remat, segment_ids=segments[rows])
         losses.append(float(metrics["loss"]))
         position += batch
         tokens_per_s = int(np.count_nonzero(segments[rows])) / (time.perf_counter() - start)
@@ -131,6 +146,12 @@ def fine_tune(checkpoint, data, tokenizer, out, *, steps, batch=8, row_tokens=51
     bar.close()
     if plot_losses(losses, os.path.join(out, "loss.png")):
         log(f"loss curve: {os.path.join(out, 'loss.png')}")
-    store.save_params(os.path.join(out, "params"), inference_params(state.params, config), config)
+    if lora is not None:
+        lora_adapters.save_adapters(os.path.join(out, "adapter"), state.params, config, lora, base_model=checkpoint)
+        log(f"adapters: {os.path.join(out, 'adapter')} (PEFT's format; lora.load_adapters reads them)")
+        if not merge:
+            return losses
+    tuned = state.params if lora is None else lora_adapters.merge(params, state.params, lora)
+    store.save_params(os.path.join(out, "params"), inference_params(tuned, config), config)
     log(f"fine-tuned parameters: {os.path.join(out, 'params')} (generate --checkpoint reads them)")
     return losses

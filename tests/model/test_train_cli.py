@@ -10,7 +10,7 @@ import optax
 import pytest
 from conftest import SHIPPED
 
-from glm5next_jax import cli, load_checkpoint, store, train
+from glm5next_jax import cli, load_checkpoint, lora, store, train
 
 TEXTS = [
     "The model reads its weights from the checkpoint.",
@@ -69,3 +69,29 @@ def test_bad_runs_are_refused_before_any_step(capsys, data, tmp_path):
     empty.write_bytes(b"\n\xff\n")
     code, log = run(capsys, empty, tmp_path / "other", "--steps", "2")
     assert code == 2 and "no usable document (2 lines: 1 empty, 1 not UTF-8)" in log, log
+
+
+def test_lora_run_resumes_and_writes_peft_adapters(capsys, data, tmp_path):
+    """`train --lora 4`: the adapters alone train (the state holds them and their moments), a resumed
+    run equals an unbroken one, and adapter/ reads back as the state's adapters; no params/ without
+    --merge."""
+    lora_args = ("--lora", "4", "--lora-targets", "o_proj,gate_proj,up_proj,down_proj,experts.gate_up_proj")
+    code, log = run(capsys, data, tmp_path / "unbroken", "--steps", "3", *lora_args)
+    assert code == 0 and "adapters: " in log, log
+    assert run(capsys, data, tmp_path / "broken", "--steps", "2", *lora_args)[0] == 0
+    code, log = run(capsys, data, tmp_path / "broken", "--steps", "3", "--resume", *lora_args)
+    assert code == 0 and "resumed at step 2" in log, log
+    unbroken = json.loads((tmp_path / "unbroken" / "losses.json").read_text())
+    assert json.loads((tmp_path / "broken" / "losses.json").read_text()) == unbroken and len(unbroken) == 3
+    assert not (tmp_path / "unbroken" / "params").exists()
+
+    config, base = load_checkpoint(SHIPPED, "float32", form="train")
+    adapters, spec = lora.load_adapters(str(tmp_path / "unbroken" / "adapter"), base, config)
+    assert spec.rank == 4 and spec.alpha == 8.0 and "experts.down_proj" not in spec.targets
+    like = jax.eval_shape(lambda: train.init_train_state(adapters, optax.adamw(3e-3)))
+    _, state, _ = store.restore_train_state(str(tmp_path / "unbroken" / "state"), like)
+    for got, want in zip(jax.tree.leaves(adapters), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert any(np.any(np.asarray(a.b) != 0) for layer in adapters["layers"] for a in layer.values())
+    code, log = run(capsys, data, tmp_path / "other", "--steps", "2", "--merge")
+    assert code == 2 and "go with --lora RANK" in log, log
