@@ -83,8 +83,10 @@ PEFT_PREFIX = "base_model.model."  # what PEFT puts before a module's name in th
 
 class Adapter(NamedTuple):
     """One adapted weight's factors in our layout: a [*experts, in, parts, r] (A^T of each fused
-    module), b [*experts, parts, r, n] (B^T, n each part's outputs). A routed experts' adapter may
-    hold one A for all experts: a [in, parts, r]."""
+    module), b [*experts, parts, r, *rest] (B^T, rest the base's out dimensions after the fused one:
+    qkv_proj [D, 3, C] has b [3, r, C], experts_gate_up [E, D, 2, I] b [E, 1, r, 2, I]), so that b
+    splits over a mesh as its base does. A routed experts' adapter may hold one A for all experts:
+    a [in, parts, r]."""
 
     a: Any
     b: Any
@@ -94,11 +96,13 @@ class Adapter(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:
     """A frozen weight (ours [*experts, in, *out], or its `Fp8Weight`) and its adapter, whose product
-    is scaled by `scaling` (alpha / r, or alpha / sqrt(r) with rsLoRA)."""
+    is scaled by `scaling` (alpha / r, or alpha / sqrt(r) with rsLoRA); `experts`: the routed experts'
+    weight, its first axis the experts'."""
 
     base: Any
     adapter: Adapter
     scaling: float = dataclasses.field(metadata={"static": True})
+    experts: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +163,9 @@ def _is_experts(path) -> bool:
     return path[-1].startswith("experts_")
 
 
-def weight_dims(weight, path) -> tuple[tuple, int, tuple]:
+def weight_dims(weight, experts: bool) -> tuple[tuple, int, tuple]:
     """(experts dims, in, out dims) of a weight in our layout, or of its `Fp8Weight` [*experts, *out, in]."""
-    batch = 1 if _is_experts(path) else 0
+    batch = 1 if experts else 0
     if isinstance(weight, Fp8Weight):
         shape = weight.weight.shape
         return shape[:batch], shape[-1], shape[batch:-1]
@@ -196,13 +200,13 @@ def init_adapters(params, config: Config, spec: LoraSpec, key, dtype=jnp.float32
     for i, weights in _plan(params, config, spec):
         adapters = {}
         for name, (path, parts, _) in weights.items():
-            experts, fan_in, out = weight_dims(_get(params["layers"][i], path), path)
-            n = math.prod(out) // parts
+            experts, fan_in, out = weight_dims(_get(params["layers"][i], path), _is_experts(path))
+            rest = out[1:] if parts > 1 else out
             a_batch = () if spec.shared_expert_a else experts
             key, draw = jax.random.split(key)
             bound = 1 / math.sqrt(fan_in)
             a = jax.random.uniform(draw, (*a_batch, fan_in, parts, spec.rank), jnp.float32, -bound, bound)
-            adapters[name] = Adapter(a.astype(dtype), jnp.zeros((*experts, parts, spec.rank, n), dtype))
+            adapters[name] = Adapter(a.astype(dtype), jnp.zeros((*experts, parts, spec.rank, *rest), dtype))
         layers.append(adapters)
     return {"layers": layers}
 
@@ -213,7 +217,7 @@ def attach(params, adapters, spec: LoraSpec):
     for layer, adapted in zip(params["layers"], adapters["layers"], strict=True):
         for name, adapter in adapted.items():
             path = tuple(name.split("."))
-            layer = _set(layer, path, LoraWeight(_get(layer, path), adapter, spec.scaling))
+            layer = _set(layer, path, LoraWeight(_get(layer, path), adapter, spec.scaling, _is_experts(path)))
         layers.append(layer)
     return {**params, "layers": layers}
 
@@ -222,10 +226,21 @@ def lora_product(x, w: LoraWeight):
     """x [..., in] through a dense weight's adapter: s (x A^T) B^T as [..., *out], in x's dtype (the
     product in the adapter's dtype)."""
     a, b = w.adapter
-    _, _, out = weight_dims(w.base, ("",))
+    _, _, out = weight_dims(w.base, False)
     low = jnp.einsum("...i,ipr->...pr", x.astype(a.dtype), a, precision=jax.lax.Precision.HIGHEST)
+    b = b.reshape(*b.shape[:2], -1)
     y = jnp.einsum("...pr,prn->...pn", low, b, precision=jax.lax.Precision.HIGHEST) * w.scaling
     return y.reshape(*x.shape[:-1], *out).astype(x.dtype)
+
+
+def adapter_axes(w: LoraWeight, axes) -> Adapter:
+    """The logical axes of `w`'s adapter from its base's in our layout [*experts, in, *out]: A split
+    as the base's in dimension, B as its out dimensions after the fused one; ranks and parts whole."""
+    batch = 1 if w.experts else 0
+    parts = w.adapter.b.shape[batch]
+    rest = axes[batch + 1:][1:] if parts > 1 else axes[batch + 1:]
+    a_batch = axes[:batch] if w.adapter.a.ndim == 3 + batch else ()  # else one A for all experts
+    return Adapter((*a_batch, axes[batch], None, None), (*axes[:batch], None, None, *rest))
 
 
 def expert_rows(rows, w: LoraWeight, tile_experts, block_rows: int):
@@ -239,14 +254,16 @@ def expert_rows(rows, w: LoraWeight, tile_experts, block_rows: int):
         low = jnp.einsum("tmi,ipr->tmpr", x, a, precision=hi)
     else:
         low = jnp.einsum("tmi,tipr->tmpr", x, a[tile_experts], precision=hi)
-    y = jnp.einsum("tmpr,tprn->tmpn", low, b[tile_experts], precision=hi) * w.scaling
+    b = b[tile_experts].reshape(*tile_experts.shape, *b.shape[1:3], -1)
+    y = jnp.einsum("tmpr,tprn->tmpn", low, b, precision=hi) * w.scaling
     return y.reshape(rows.shape[0], -1).astype(rows.dtype)
 
 
 def delta(w: LoraWeight):
     """s B A in the base's layout [*experts, in, *out], fp32."""
     a, b = w.adapter
-    experts, fan_in, out = weight_dims(w.base, ("experts_",) if b.ndim == 4 else ("",))
+    experts, fan_in, out = weight_dims(w.base, w.experts)
+    b = b.reshape(*experts, *b.shape[len(experts):len(experts) + 2], -1)
     hi = jax.lax.Precision.HIGHEST
     spec = "ipr,...prn->...ipn" if a.ndim == 3 else "...ipr,...prn->...ipn"
     d = jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), precision=hi) * w.scaling
@@ -282,6 +299,7 @@ def _to_peft(adapter: Adapter, part: int, experts: bool):
     """(lora_A.weight, lora_B.weight) of one module as PEFT stores them: [r, in] and [out, r]; an
     experts' parameter [r x E, in] (expert-major rows) and [out, r x E] (rank-major columns)."""
     a, b = (np.asarray(x, np.float32) for x in adapter)
+    b = b.reshape(*b.shape[: 3 if experts else 2], -1)
     if not experts:
         return a[:, part, :].T, b[part].T
     e, _, r, n = b.shape
@@ -418,7 +436,8 @@ def load_adapters(path, params, config: Config, dtype=jnp.float32):
         names = _peft_modules(config, spec, i, order)
         filled = {}
         for key, (weight_path, _, modules) in planned.items():
-            a, b = (np.array(x, np.float32) for x in weights[key])
+            a, b_shaped = (np.array(x, np.float32) for x in weights[key])
+            b = b_shaped.reshape(*b_shaped.shape[: 3 if _is_experts(weight_path) else 2], -1)
             for part, module in enumerate(modules):
                 stem = f"{PEFT_PREFIX}{LAYER_PREFIX}{i}.{names[module]}"
                 if f"{stem}.lora_A.weight" not in tensors or f"{stem}.lora_B.weight" not in tensors:
@@ -437,6 +456,6 @@ def load_adapters(path, params, config: Config, dtype=jnp.float32):
                     raise InputError(f"{path}: {stem}'s lora_A, lora_B are {lora_a.shape}, {lora_b.shape}; "
                                      f"this model's are {want[0]}, {want[1]}")
                 a[..., part, :], b[..., part, :, :] = a_part, b_part
-            filled[key] = Adapter(jnp.asarray(a, dtype), jnp.asarray(b, dtype))
+            filled[key] = Adapter(jnp.asarray(a, dtype), jnp.asarray(b.reshape(b_shaped.shape), dtype))
         layers.append(filled)
     return {"layers": layers}, spec

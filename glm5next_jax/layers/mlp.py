@@ -9,8 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import block_fp8, moe_gemm
 
-from ..errors import InputError
-from ..lora import LoraWeight, expert_rows
+from ..lora import LoraWeight, adapter_axes, expert_rows
 from ..params import Fp8Weight, to_out_in
 from .common import PRECISION, fp8_linear, linear, quantize_split_rows
 
@@ -211,9 +210,6 @@ def expert_parallel(p, tokens, config, implementation, interpret, layout):
     expert axes and over the experts' split intermediate width are all-reduced. (At 8 devices and 8
     experts a token this moves as many bytes as an all-to-all dispatch and combine of each token's
     8 rows, with no capacity to size and nothing dropped.)"""
-    if any(isinstance(p[name], LoraWeight) for name in ("experts_gate_up", "experts_down")):
-        raise InputError("LoRA adapters on the routed experts run on one device (layout=None) only: merge them "
-                         "(`lora.merge`) or leave the experts out of the targets under a mesh")
     weight_axes = ("experts", "embed", None, "expert_mlp")
     batch_axes, expert_axes = layout.mesh_axes("batch"), layout.mesh_axes("experts", weight_axes)
     gathered = tuple(a for a in batch_axes if a in expert_axes)
@@ -234,12 +230,17 @@ def expert_parallel(p, tokens, config, implementation, interpret, layout):
             out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
         return out
 
-    gate_up_axes, down_axes = weight_axes, ("experts", "expert_mlp", "embed")
-    if isinstance(p["experts_down"], Fp8Weight):  # weight and scale [E, *out, in], split alike
-        gate_up_axes, down_axes = (Fp8Weight(*(to_out_in(axes, 1),) * 2) for axes in (gate_up_axes, down_axes))
+    def in_axes_of(w, axes):
+        if isinstance(w, LoraWeight):  # the adapter's factors split with their experts and the base's dims
+            return LoraWeight(in_axes_of(w.base, axes), adapter_axes(w, axes), w.scaling, w.experts)
+        if isinstance(w, Fp8Weight):  # weight and scale [E, *out, in], split alike
+            return Fp8Weight(*(to_out_in(axes, 1),) * 2)
+        return axes
+
     run = layout.shard_map(
         local,
-        in_axes=((None, None), (None,), gate_up_axes, down_axes, ("batch", "embed")),
+        in_axes=((None, None), (None,), in_axes_of(p["experts_gate_up"], weight_axes),
+                 in_axes_of(p["experts_down"], ("experts", "expert_mlp", "embed")), ("batch", "embed")),
         out_axes=("batch", "embed"),
     )
     return run(p["router"], p["router_bias"], p["experts_gate_up"], p["experts_down"], tokens)

@@ -163,6 +163,46 @@ def train_step_equal_to_one_device():
     return out
 
 
+def lora_step_equal_to_one_device():
+    """A LoRA step (AdamW over adapters on every linear and the routed experts, base frozen) on two
+    layouts against one device: the loss, the adapters' gradients (from Adam's first moment) and the
+    stepped adapters (in units of the learning rate)."""
+    import optax
+
+    from glm5next_jax import lora, train
+
+    config, _ = model()
+    params = glm5next_jax.init_params(config, jax.random.key(1), dtype="float32", form="train")
+    spec = lora.LoraSpec(rank=4, alpha=8.0)
+    adapters = lora.init_adapters(params, config, spec, jax.random.key(2))
+    keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(adapters))))
+    adapters = jax.tree.map(lambda ad: lora.Adapter(ad.a, 0.1 * jax.random.normal(next(keys), ad.b.shape)), adapters,
+                            is_leaf=lambda x: isinstance(x, lora.Adapter))
+    ids = np.random.default_rng(3).integers(2, config.vocab_size, (BATCH, 20)).astype(np.int32)
+    lr, b1 = 1e-3, 0.9
+    optimizer = optax.adamw(lr, b1=b1)
+    step = jax.jit(train.lora_train_step, static_argnames=train.LORA_STATIC)
+
+    def run(base, layout=None):
+        state, metrics = step(train.init_train_state(adapters, optimizer), base, ids, config=config, spec=spec,
+                              optimizer=optimizer, layout=layout)
+        return metrics["loss"], jax.tree.map(lambda mu: mu / (1 - b1), state.opt_state[0].mu), state.params
+
+    want_loss, want_grads, want_adapters = run(params)
+    out = {}
+    for spec_text in ("tp:8", "3d:2x2x2"):  # the experts' width split (their adapters' partial sums), then every way
+        layout = make_layout(spec_text)
+        loss, grads, stepped = run(shard_params(params, config, layout, form="train"), layout)
+        out[spec_text] = {
+            "loss": abs(float(loss) / float(want_loss) - 1),
+            "gradients": max(float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / max(np.linalg.norm(np.asarray(w)), 1e-30))
+                             for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))),
+            "adapters_in_lr": max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) / lr
+                                  for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(want_adapters))),
+        }
+    return out
+
+
 def fp8_equal_to_one_device():
     """The FP8 form (W8A8; fp32 elsewhere) on every layout against one device: each token's forward
     logits, and how its float8 weights are spread; the experts 1024 wide so that each layout cuts them
