@@ -5,6 +5,11 @@ bytes of one step by kind, and a floor for the step's time from them.
         [--phases decode:64x32768,prefill:8192,train:8x8192] [--weights bf16|fp8] [--devices 8]
         [--fsdp] [--remat full] [--json bench/sharded_compile.json] [--results bench/results.jsonl]
 
+Phase `lora:BATCHxTOKENS` is LoRA over the frozen model: one `train.lora_train_step` (AdamW over
+rank-`--lora-rank` adapters on every projection and the routed experts, fp32 adapters and moments
+split with their bases, the base bf16 in the train form or with `--weights fp8` the FP8 release
+form, DSA's absorbed projections then untargeted).
+
 `--weights fp8` holds the release's converted linears in block-scaled FP8 (`params.param_spec(config,
 fp8=True)`: what `load_checkpoint(..., weights="checkpoint")` gives on the FP8 release); `--devices`
 the mesh's size (the H100 and the H200 compile alike: compare the memory with 80 GB or 141 GB), in
@@ -52,10 +57,11 @@ def phase_shape(text):
         return kind, dict(batch=batch, cached=cached)
     if kind == "prefill":
         return kind, dict(batch=1, tokens=int(size))
-    if kind == "train":
+    if kind in ("train", "lora"):
         batch, tokens = map(int, size.split("x"))
         return kind, dict(batch=batch, tokens=tokens)
-    raise ValueError(f"a phase is decode:BATCHxCACHED, prefill:TOKENS or train:BATCHxTOKENS, got {text!r}")
+    raise ValueError(f"a phase is decode:BATCHxCACHED, prefill:TOKENS, train:BATCHxTOKENS or lora:BATCHxTOKENS, "
+                     f"got {text!r}")
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
          "f64": 8, "s64": 8}
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -128,7 +134,36 @@ def train_step_traced(config, layout, batch, tokens, remat):
     return step.trace(state, ids, ids, config=config, optimizer=optimizer, layout=layout, remat=remat), state
 
 
-def compile_one(layout_spec, phase, layers, weights="bf16", devices=8, fsdp=False, remat="full"):
+def lora_step_traced(config, layout, params, batch, tokens, remat, rank):
+    """`train.lora_train_step` traced on abstract arrays: fp32 adapters of `rank` on every target the
+    base holds and AdamW's moments, split as `lora.adapters_axes` says, the state donated; `params`
+    the placed frozen base (train form, or FP8 inference form)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from glm5next_jax import lora, train
+
+    absorbed = "q_b_proj" not in next(p["attn"] for p in params["layers"] if "q_a_proj" in p["attn"])
+    targets = tuple(t for t in lora.TARGETS if not (absorbed and t in ("q_b_proj", "kv_b_proj", "o_proj")))
+    spec = lora.LoraSpec(rank=rank, alpha=2.0 * rank, targets=targets)
+    shapes = jax.eval_shape(lambda: lora.init_adapters(params, config, spec, jax.random.key(0)))
+    axes = lora.adapters_axes(shapes, config)
+    kept = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x, a: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.sharding(a)), tree, axes)
+    adapters = kept(shapes)
+    optimizer = optax.adamw(1e-4)
+    adam, *rest = jax.eval_shape(optimizer.init, adapters)
+    replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+    adam = adam._replace(count=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), mu=kept(adam.mu), nu=kept(adam.nu))
+    state = train.TrainState(adapters, (adam, *rest), jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=layout.sharding(("batch", None)))
+    step = jax.jit(train.lora_train_step, static_argnames=train.LORA_STATIC, donate_argnums=0)
+    return step.trace(state, params, ids, ids, config=config, spec=spec, optimizer=optimizer, layout=layout,
+                      remat=remat), state
+
+
+def compile_one(layout_spec, phase, layers, weights="bf16", devices=8, fsdp=False, remat="full", lora_rank=16):
     """Compile one phase under one layout; its memory, collectives and floor as a dict."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # the plugin's checks need a driver
     import jax
@@ -138,7 +173,7 @@ def compile_one(layout_spec, phase, layers, weights="bf16", devices=8, fsdp=Fals
     import glm5next_jax
     from glm5next_jax import inference
     from glm5next_jax.cache import cache_axes
-    from glm5next_jax.params import param_axes, param_shapes
+    from glm5next_jax.params import param_axes, param_spec, spec_shapes
     from glm5next_jax.sharding import device_bytes, make_layout, placed
 
     hosts = max(devices // 8, 1)
@@ -150,8 +185,9 @@ def compile_one(layout_spec, phase, layers, weights="bf16", devices=8, fsdp=Fals
     config = glm5next_jax.Config() if layers is None else glm5next_jax.Config(num_hidden_layers=layers)
 
     fp8 = weights == "fp8"
-    params = placed(param_shapes(config, "bfloat16", fp8), param_axes(config, fp8), layout)
     phase, p = phase_shape(phase)
+    form = "train" if phase == "lora" and not fp8 else "inference"
+    params = placed(spec_shapes(param_spec(config, fp8, form), "bfloat16"), param_axes(config, fp8, form), layout)
     if phase == "prefill":  # a layout that splits the batch prefills one sequence a batch shard
         p["batch"] = max(p["batch"], layout.size("batch"))
     batch_axes = lambda n: ("batch",) + (None,) * (n - 1)  # noqa: E731
@@ -160,6 +196,8 @@ def compile_one(layout_spec, phase, layers, weights="bf16", devices=8, fsdp=Fals
             raise ValueError("the train phase takes bf16 weights")
         traced, state = train_step_traced(config, layout, p["batch"], p["tokens"], remat)
         params = state.params
+    elif phase == "lora":
+        traced, state = lora_step_traced(config, layout, params, p["batch"], p["tokens"], remat, lora_rank)
     elif phase == "decode":
         max_len = p["cached"] + 64
         cache = jax.eval_shape(lambda: glm5next_jax.init_cache(config, p["batch"], max_len, latent_dtype="float8_e4m3fn"))
@@ -182,7 +220,8 @@ def compile_one(layout_spec, phase, layers, weights="bf16", devices=8, fsdp=Fals
     sent = sum(v["sent_bytes"] for v in found.values())
     return {
         "layout": layout_spec + (" fsdp" if fsdp else ""), "phase": phase, "layers": config.num_hidden_layers,
-        "weights": weights, **({"remat": remat} if phase == "train" else {}),
+        "weights": weights, **({"remat": remat} if phase in ("train", "lora") else {}),
+        **({"lora_rank": lora_rank, "adapter_bytes": device_bytes(state.params)} if phase == "lora" else {}),
         "compile_s": round(seconds, 1),
         **{k: v for k, v in p.items() if k != "batch"},
         "batch": p["batch"],
@@ -202,12 +241,14 @@ def main():
     parser.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="the converted linears' form")
     parser.add_argument("--devices", type=int, default=8, help="compile-only GPUs in the mesh")
     parser.add_argument("--fsdp", action="store_true", help="parameters and moments split over data as well")
-    parser.add_argument("--remat", default="full", help="the train phase's remat policy")
+    parser.add_argument("--remat", default="full", help="the train and lora phases' remat policy")
+    parser.add_argument("--lora-rank", type=int, default=16, help="the lora phase's adapters' rank")
     parser.add_argument("--one", nargs=2, metavar=("LAYOUT", "PHASE"), help=argparse.SUPPRESS)
     add_results_argument(parser)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(compile_one(*args.one, args.layers, args.weights, args.devices, args.fsdp, args.remat)))
+        print(json.dumps(compile_one(*args.one, args.layers, args.weights, args.devices, args.fsdp, args.remat,
+                                     args.lora_rank)))
         return
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # for the children: the plugin's checks need a driver
     results = Results(args.results, device=DEVICE.format(args.devices))
@@ -218,7 +259,8 @@ def main():
     for layout in args.layouts.split(","):
         for phase in args.phases.split(","):
             cmd = [sys.executable, "-m", "bench.sharded_compile", "--one", layout, phase, "--weights", args.weights,
-                   "--devices", str(args.devices), "--remat", args.remat] + (["--fsdp"] if args.fsdp else []) + (
+                   "--devices", str(args.devices), "--remat", args.remat, "--lora-rank", str(args.lora_rank)] + (
+                      ["--fsdp"] if args.fsdp else []) + (
                       ["--layers", str(args.layers)] if args.layers else [])
             r = run_child(cmd, args.limit, f"{layout} | {phase}")
             if r is None:

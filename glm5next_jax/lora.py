@@ -243,6 +243,23 @@ def adapter_axes(w: LoraWeight, axes) -> Adapter:
     return Adapter((*a_batch, axes[batch], None, None), (*axes[:batch], None, None, *rest))
 
 
+def adapters_axes(adapters, config: Config):
+    """The tree of each adapter's logical axes (`adapter_axes` of its base's, which every form
+    shares where the adapter can be), for placing the adapters and their moments on a mesh."""
+    from .params import param_axes
+
+    axes = param_axes(config, form="train")
+    out = []
+    for i, layer in enumerate(adapters["layers"]):
+        placed = {}
+        for name, adapter in layer.items():
+            path = tuple(name.split("."))
+            base = _get(axes["layers"][i], path)
+            placed[name] = adapter_axes(LoraWeight(None, adapter, 1.0, _is_experts(path)), base)
+        out.append(placed)
+    return {"layers": out}
+
+
 def expert_rows(rows, w: LoraWeight, tile_experts, block_rows: int):
     """The routed experts' adapter on the grouped GEMM's tiled rows [tiles x block_rows, in]: each
     tile's rows through its expert's A and B (`tile_experts` [tiles]), one batched product for all

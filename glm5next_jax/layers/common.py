@@ -1,7 +1,10 @@
 """Norms and the projection every layer uses."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import block_fp8, moe_gemm
 
@@ -27,17 +30,53 @@ def fp8_linear(x, w: Fp8Weight, quantize_rows=block_fp8.quantize_rows):
     `quantize_split_rows` where a mesh splits them), times the block-scaled weight [*out, in], fp32
     accumulation -> [..., *out] in x's dtype. `moe_gemm.matmul_fp8` (the FP8 kernel on a GPU) where
     the out dimensions flatten into whole blocks; else (gate and up each ending in a partial block, or
-    scales per element where a mesh cut a block) the same product on the dequantized operands."""
+    scales per element where a mesh cut a block) the same product on the dequantized operands.
+    Differentiated straight through the rounding (`straight_through`): d x = d y times the
+    dequantized weight; the weight, frozen, gets no gradient."""
     k, out = x.shape[-1], w.weight.shape[:-1]
-    x_q, x_s = quantize_rows(x.reshape(-1, k))
-    in_blocks = block_fp8.in_blocks(w.weight.shape[-2:], w.scale.shape[-2:]) and block_fp8.in_blocks((k,), x_s.shape[-1:])
-    if in_blocks and (len(out) == 1 or out[-1] % block_fp8.BLOCK == 0):
-        weight, scale = w.weight.reshape(-1, k), w.scale.reshape(-1, w.scale.shape[-1])
-        y = moe_gemm.matmul_fp8(x_q, x_s, weight, scale, out_dtype=x.dtype)
-    else:
-        y = jnp.dot(block_fp8.dequantize_rows(x_q, x_s), block_fp8.dequantize_blocks(w.weight, w.scale).reshape(-1, k).T,
-                    precision=PRECISION)
-    return y.reshape(*x.shape[:-1], *out).astype(x.dtype)
+
+    def forward(x, w):
+        x_q, x_s = quantize_rows(x.reshape(-1, k))
+        in_blocks = (block_fp8.in_blocks(w.weight.shape[-2:], w.scale.shape[-2:])
+                     and block_fp8.in_blocks((k,), x_s.shape[-1:]))
+        if in_blocks and (len(out) == 1 or out[-1] % block_fp8.BLOCK == 0):
+            weight, scale = w.weight.reshape(-1, k), w.scale.reshape(-1, w.scale.shape[-1])
+            y = moe_gemm.matmul_fp8(x_q, x_s, weight, scale, out_dtype=x.dtype)
+        else:
+            weight = block_fp8.dequantize_blocks(w.weight, w.scale).reshape(-1, k)
+            y = jnp.dot(block_fp8.dequantize_rows(x_q, x_s), weight.T, precision=PRECISION)
+        return y.reshape(*x.shape[:-1], *out).astype(x.dtype)
+
+    def backward(d_y, w):
+        weight = block_fp8.dequantize_blocks(w.weight, w.scale).reshape(-1, k)
+        d_x = jnp.dot(d_y.reshape(-1, weight.shape[0]).astype(jnp.float32), weight, precision=PRECISION)
+        return d_x.reshape(x.shape).astype(x.dtype)
+
+    return straight_through(forward, backward, x, w)
+
+
+def straight_through(forward, backward, x, consts):
+    """forward(x, consts), whose gradient in x is backward(d_y, consts), a linear map of the
+    cotangent: how a W8A8 product passes gradients to its input (the product with the dequantized
+    weight, straight through the rounding of x, and none through its kernel, which has none).
+    consts (a pytree: the frozen weights, indices) get no gradient; forward and backward close over
+    no arrays."""
+    return _straight_through(forward, backward, x, consts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _straight_through(forward, backward, x, consts):
+    return forward(x, consts)
+
+
+def _no_gradient(c):
+    return jnp.zeros_like(c) if jnp.issubdtype(c.dtype, jnp.inexact) else np.zeros(c.shape, jax.dtypes.float0)
+
+
+_straight_through.defvjp(
+    lambda forward, backward, x, consts: (forward(x, consts), consts),
+    lambda forward, backward, consts, d_y: (backward(d_y, consts), jax.tree.map(_no_gradient, consts)),
+)
 
 
 def quantize_split_rows(x, axes):

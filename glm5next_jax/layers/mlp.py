@@ -11,7 +11,7 @@ from pallas_kernels import block_fp8, moe_gemm
 
 from ..lora import LoraWeight, adapter_axes, expert_rows
 from ..params import Fp8Weight, to_out_in
-from .common import PRECISION, fp8_linear, linear, quantize_split_rows
+from .common import PRECISION, fp8_linear, linear, quantize_split_rows, straight_through
 
 
 def clamped_swiglu(gate_up, limit):
@@ -191,14 +191,41 @@ def _fp8_gemms(p, tokens, rows, implementation, interpret, width_split):
                                            implementation=implementation, config=gemm, interpret=interpret,
                                            out_dtype=tokens.dtype)
 
-    x_q, x_s = block_fp8.quantize_rows(tokens)
+    # Differentiated straight through the rows' rounding: d rows = d out times each expert's
+    # dequantized weight (the bf16 grouped GEMM), as `common.fp8_linear` is.
+    def rows_gradient(d_out, w, tiles):
+        weights = block_fp8.dequantize_blocks(w.weight, w.scale).astype(d_out.dtype)  # [G, N, K]: K out here
+        config = moe_gemm.GemmConfig(block_rows=gemm.block_rows, block_cols=256 if weights.shape[2] % 256 == 0 else 128)
+        d_rows = moe_gemm.grouped_matmul(d_out, weights, tiles.tile_experts, tiles.used_tiles,
+                                         implementation=None if implementation == "pallas" else "reference",
+                                         config=config, interpret=interpret)
+        return jnp.where(jnp.arange(d_rows.shape[0])[:, None] < tiles.used_tiles * gemm.block_rows, d_rows, 0)
+
+    def gate_up_forward(tokens, consts):
+        token_of_slot, tiles, weights = consts
+        x_q, x_s = block_fp8.quantize_rows(tokens)  # once a token, before its rows are gathered
+        rows_q, rows_s = x_q[token_of_slot], x_s[token_of_slot]
+        return jnp.concatenate([run(rows_q, rows_s, w, tiles) for w in weights], axis=-1)
+
+    def gate_up_backward(d_out, consts):
+        token_of_slot, tiles, weights = consts
+        parts = jnp.split(d_out, len(weights), axis=-1)
+        d_rows = sum(rows_gradient(d, w, tiles) for d, w in zip(parts, weights, strict=True))
+        return jnp.zeros(tokens.shape, jnp.float32).at[token_of_slot].add(d_rows).astype(tokens.dtype)
+
+    def down_forward(hidden, consts):
+        tiles, w = consts
+        return run(*quantize_hidden(hidden), w, tiles)
+
+    def down_backward(d_out, consts):
+        tiles, w = consts
+        return rows_gradient(d_out, w, tiles).astype(d_out.dtype)
 
     def gate_up_rows(token_of_slot, tiles):
-        rows_q, rows_s = x_q[token_of_slot], x_s[token_of_slot]
-        return jnp.concatenate([run(rows_q, rows_s, w, tiles) for w in gate_up], axis=-1)
+        return straight_through(gate_up_forward, gate_up_backward, tokens, (token_of_slot, tiles, gate_up))
 
     def down_rows(hidden, tiles):
-        return run(*quantize_hidden(hidden), down, tiles)
+        return straight_through(down_forward, down_backward, hidden, (tiles, down))
 
     return _ExpertGemms(gemm.block_rows, gate_up_rows, down_rows)
 

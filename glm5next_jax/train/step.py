@@ -27,7 +27,7 @@ import optax
 from ..checkpoint import absorb_o, absorb_q
 from ..config import Config
 from ..errors import InputError
-from ..lora import LoraSpec, LoraWeight, attach, merged
+from ..lora import LoraSpec, LoraWeight, adapters_axes, attach, merged
 from ..model import forward
 from ..sharding import param_shardings
 from .loss import expert_loads, sequence_balance_loss, token_loss
@@ -176,7 +176,11 @@ def lora_train_step(state: TrainState, base, input_ids, attention_mask=None, *, 
 
     (_, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), _metrics(aux, grads)
+    adapters = optax.apply_updates(state.params, updates)
+    if layout is not None:  # the stepped adapters stay split as their bases are (`lora.adapters_axes`)
+        axes = adapters_axes(adapters, config)
+        adapters = jax.tree.map(layout.constrain, adapters, axes)
+    return TrainState(adapters, opt_state, state.step + 1), _metrics(aux, grads)
 
 
 STATIC = ("config", "optimizer", "implementation", "interpret", "layout", "remat", "indexer_loss")  # the rates: values

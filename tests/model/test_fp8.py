@@ -151,3 +151,28 @@ def test_moe_through_the_fp8_kernel_matches_the_reference():
     assert traced_kernels(run) == {"moe_grouped_matmul_fp8": 2}  # gate_up (one GEMM), down
     got = run()
     assert relative_error(got, mlp.moe(p, x, config, implementation="reference")) < TOLERANCE
+
+
+def test_w8a8_products_differentiate_straight_through():
+    """The W8A8 linears pass gradients to their inputs as the product with the dequantized weight
+    (straight through the rows' rounding; the kernels have no gradient of their own): a dense one's
+    d x against numpy's d y W, the MoE's through the FP8 and bf16 kernels (interpreted) against its
+    reference, and within 10% of the dequantized model's (whose activations are not rounded)."""
+    rng = np.random.default_rng(7)
+    w = Fp8Weight(*block_fp8.quantize_blocks(jnp.asarray(rng.standard_normal((2, 128, 256)) * 0.06, jnp.float32)))
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    d_y = rng.standard_normal((3, 2, 128))
+    d_x = jax.vjp(lambda x: common.linear(x, w), x)[1](jnp.asarray(d_y, jnp.float32))[0]
+    assert relative_error(d_x, np.einsum("mon,onk->mk", d_y, numpy_weight(w))) < 1e-6
+
+    config, p, x = moe_case(128, 40, 128)
+    d_out = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+
+    def d_tokens(p, **kwargs):
+        return jax.vjp(lambda x: mlp.moe(p, x, config, **kwargs), x)[1](d_out)[0]
+
+    reference = d_tokens(p, implementation="reference")
+    assert relative_error(d_tokens(p, implementation="pallas", interpret=True), reference) < TOLERANCE
+    dequantized = {**p, "experts_gate_up": jnp.asarray(np.moveaxis(numpy_weight(p["experts_gate_up"]), -1, 1), x.dtype),
+                   "experts_down": jnp.asarray(np.moveaxis(numpy_weight(p["experts_down"]), -1, 1), x.dtype)}
+    assert relative_error(reference, d_tokens(dequantized, implementation="reference")) < 0.1
