@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import block_fp8, moe_gemm
 
-from ..lora import LoraWeight, adapter_axes, expert_rows
+from ..lora import LoraWeight, adapter_axes, expert_rows, lora_product
 from ..params import Fp8Weight, to_out_in
 from .common import PRECISION, fp8_linear, linear, quantize_split_rows, straight_through
 
@@ -21,26 +21,45 @@ def clamped_swiglu(gate_up, limit):
 
 
 def dense_mlp(p, x, config, layout=None):
-    """p: gate_up [D, 2, I], down [I, D] (or their `Fp8Weight` forms). Under a layout, FP8 weights run
-    in `shard_map` (their GEMM is a kernel, which XLA would otherwise gather whole): gate_up split on
-    I, down on its in dimension, the partial outputs summed over the devices that split I."""
-    if layout is not None and isinstance(p["down"], Fp8Weight):
+    """p: gate_up [D, 2, I], down [I, D] (or their `Fp8Weight` forms, or LoRA-adapted either way).
+    Under a layout, FP8 weights run in `shard_map` (their GEMM is a kernel, which XLA would otherwise
+    gather whole): gate_up split on I, down on its in dimension, the partial outputs summed over the
+    devices that split I."""
+    if layout is not None and isinstance(_base(p["down"]), Fp8Weight):
         return _fp8_dense_mlp_sharded(p, x, config, layout)
     return linear(clamped_swiglu(linear(x, p["gate_up"]), config.swiglu_limit), p["down"])
 
 
+def _base(w):
+    return w.base if isinstance(w, LoraWeight) else w
+
+
+def weight_axes(w, axes, batch_dims=0):
+    """The logical axes of a weight as `shard_map` takes it, from its axes in our layout [*batch, in,
+    *out]: an `Fp8Weight`'s in torch's [*batch, *out, in] (weight and scale alike); a LoRA-adapted
+    one's base and adapter (`lora.adapter_axes`)."""
+    if isinstance(w, LoraWeight):
+        return LoraWeight(weight_axes(w.base, axes, batch_dims), adapter_axes(w, axes), w.scaling, w.experts)
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(*(to_out_in(axes, batch_dims),) * 2)
+    return axes
+
+
 def _fp8_dense_mlp_sharded(p, x, config, layout):
-    gate_up_axes, down_axes = to_out_in(("embed", None, "mlp")), to_out_in(("mlp", "embed"))
+    gate_up_axes, down_axes = ("embed", None, "mlp"), ("mlp", "embed")
     split = layout.mesh_axes("mlp", gate_up_axes)
     x_axes = ("batch",) + (None,) * (x.ndim - 2) + ("embed",)
+    quantizer = _hidden_quantizer(_base(p["down"]), split)
 
     def local(gate_up, down, x):
         hidden = clamped_swiglu(linear(x, gate_up), config.swiglu_limit)
-        y = fp8_linear(hidden, down, _hidden_quantizer(down, split))
+        y = fp8_linear(hidden, _base(down), quantizer)
+        if isinstance(down, LoraWeight):  # its A split on I as the hidden is: a partial sum, as the base's
+            y = y + lora_product(hidden, down)
         return jax.lax.psum(y, split) if split else y
 
-    run = layout.shard_map(local, in_axes=(Fp8Weight(gate_up_axes, gate_up_axes), Fp8Weight(down_axes, down_axes), x_axes),
-                           out_axes=x_axes)
+    run = layout.shard_map(local, in_axes=(weight_axes(p["gate_up"], gate_up_axes), weight_axes(p["down"], down_axes),
+                                           x_axes), out_axes=x_axes)
     return run(p["gate_up"], p["down"], x)
 
 
@@ -237,11 +256,11 @@ def expert_parallel(p, tokens, config, implementation, interpret, layout):
     expert axes and over the experts' split intermediate width are all-reduced. (At 8 devices and 8
     experts a token this moves as many bytes as an all-to-all dispatch and combine of each token's
     8 rows, with no capacity to size and nothing dropped.)"""
-    weight_axes = ("experts", "embed", None, "expert_mlp")
-    batch_axes, expert_axes = layout.mesh_axes("batch"), layout.mesh_axes("experts", weight_axes)
+    gate_up_axes = ("experts", "embed", None, "expert_mlp")
+    batch_axes, expert_axes = layout.mesh_axes("batch"), layout.mesh_axes("experts", gate_up_axes)
     gathered = tuple(a for a in batch_axes if a in expert_axes)
-    summed = tuple(a for a in expert_axes if a not in gathered) + layout.mesh_axes("expert_mlp", weight_axes)
-    e_local = config.n_routed_experts // layout.size("experts", weight_axes)
+    summed = tuple(a for a in expert_axes if a not in gathered) + layout.mesh_axes("expert_mlp", gate_up_axes)
+    e_local = config.n_routed_experts // layout.size("experts", gate_up_axes)
 
     def local(router, router_bias, gate_up, down, tokens):
         if gathered:
@@ -250,24 +269,17 @@ def expert_parallel(p, tokens, config, implementation, interpret, layout):
         first = jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0
         experts_here = {"experts_gate_up": gate_up, "experts_down": down}
         out = routed_experts(experts_here, tokens, weights, experts, config, implementation, interpret, first,
-                             layout.mesh_axes("expert_mlp", weight_axes))
+                             layout.mesh_axes("expert_mlp", gate_up_axes))
         if summed:
             out = jax.lax.psum(out, summed)
         if gathered:
             out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
         return out
 
-    def in_axes_of(w, axes):
-        if isinstance(w, LoraWeight):  # the adapter's factors split with their experts and the base's dims
-            return LoraWeight(in_axes_of(w.base, axes), adapter_axes(w, axes), w.scaling, w.experts)
-        if isinstance(w, Fp8Weight):  # weight and scale [E, *out, in], split alike
-            return Fp8Weight(*(to_out_in(axes, 1),) * 2)
-        return axes
-
     run = layout.shard_map(
         local,
-        in_axes=((None, None), (None,), in_axes_of(p["experts_gate_up"], weight_axes),
-                 in_axes_of(p["experts_down"], ("experts", "expert_mlp", "embed")), ("batch", "embed")),
+        in_axes=((None, None), (None,), weight_axes(p["experts_gate_up"], gate_up_axes, 1),
+                 weight_axes(p["experts_down"], ("experts", "expert_mlp", "embed"), 1), ("batch", "embed")),
         out_axes=("batch", "embed"),
     )
     return run(p["router"], p["router_bias"], p["experts_gate_up"], p["experts_down"], tokens)
