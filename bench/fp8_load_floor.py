@@ -20,44 +20,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from bench.common import dispatched_ms, log
-from bench.fp8_trace import parse_config
-from bench.moe import GEMMS, fp8_operands, routed_rows
-from pallas_kernels import block_fp8, moe_gemm
+from bench.fp8_trace import GemmCase, parse_config
+from bench.moe import GEMMS
+from pallas_kernels import moe_gemm
 from pallas_kernels.block_fp8 import BLOCK
 from pallas_kernels.common import ignore, sm_count, warpgroup_kernel
-
-_OPERAND = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))
+from pallas_kernels.moe_gemm.grouped_matmul_fp8_mosaic import operand_pipeline, walk_items
 
 
 def _stream_kernel(used_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas):
-    """The GEMM kernel's walk and loads (its `_kernel`, weights of expert 0: the same bytes a tile)
-    with bodies that only release each slot."""
+    """The GEMM kernel's walk and loads (its `operand_pipeline` and `walk_items`, weights of expert 0:
+    the same bytes a tile) with bodies that only release each slot."""
     bm, bn = config.block_rows, config.block_cols
     k, n = x_ref.shape[1], w_ref.shape[1]
     col_groups = n // bn // config.cluster
     steps = k // BLOCK
-    shared = ("cluster",) if config.cluster > 1 else ()
-
-    def pipeline(body, context, state=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((bm, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM,
-                                collective_axes=shared),
-                plgpu.BlockSpec((bn, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((None, bm), lambda kk: (kk, 0), memory_space=plgpu.SMEM, collective_axes=shared),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=config.stages,
-            compute_context=context,
-            pipeline_state=state,
-        )
+    pipeline = functools.partial(operand_pipeline, config, steps)
 
     @functools.partial(
         pl.run_scoped,
@@ -73,29 +53,15 @@ def _stream_kernel(used_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas)
             tile, col_group = index // col_groups, index % col_groups
             col_block = col_group * config.cluster + lax.axis_index("cluster")
 
-            def context(run_pipeline):
-                run_pipeline(())
-
             def release(indices, x_smem, w_smem, x_scales_smem, carry):
                 return carry
 
-            pipeline(release, context, state)(
+            pipeline(release, lambda run_pipeline: run_pipeline(()), state)(
                 x_ref.at[pl.ds(tile * bm, bm), :], w_ref.at[0].at[pl.ds(col_block * bn, bn), :],
                 x_scales_ref.at[:, pl.ds(tile * bm, bm)], allocations=allocations,
             )
 
-        if not (config.overlap_items and steps % min(config.stages, steps) == 0):  # as the GEMM decides
-            pl.loop(0, mine)(lambda i: item(sm + i * ctas, None))
-            return
-
-        pl.when(mine == 1)(lambda: item(sm, None))
-
-        @pl.when(mine > 1)
-        def _():
-            @pl.loop(0, mine)
-            def _(i):
-                state = jnp.where(i == 0, plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STEADY)
-                item(sm + i * ctas, jnp.where(i == mine - 1, plgpu.PipelinePipeline.STOP, state))
+        walk_items(item, config, steps, sm, mine, ctas)
 
     del o_ref  # nothing is written: the stream is what is timed
 
@@ -117,25 +83,16 @@ def main():
     parser.add_argument("--configs", default="default,cluster=2,block_cols=256+stages=3,"
                                              "block_cols=256+stages=3+cluster=2")
     args = parser.parse_args()
-    k, n = GEMMS[args.gemm]
-    key = jax.random.key(2)
-    w, w_s = fp8_operands(k, n, jax.random.fold_in(key, k))
-    sizes = routed_rows(args.tokens)
-    rows = int(sizes.sum())
-    x = jax.random.normal(jax.random.fold_in(key, args.tokens), (rows, k), jnp.bfloat16)
-    x_q, x_s = jax.jit(block_fp8.quantize_rows)(x)
-    _, default = moe_gemm.plan_fp8(None, (w,), rows=rows)
+    case = GemmCase(args.gemm, args.tokens)
+    k, n, w, w_s = case.k, case.n, case.w, case.w_s
     sms = sm_count()
-    log(f"{jax.devices()[0].device_kind}; {args.gemm} K={k} N={n}, {args.tokens} tokens ({rows} rows)")
+    log(f"{jax.devices()[0].device_kind}; {args.gemm} K={k} N={n}, {args.tokens} tokens ({case.rows} rows)")
     log("\n| config | GEMM ms | stream alone ms | stream / GEMM | delivered GB | delivered TB/s (alone) | "
         "read from L2 GB |")
     log("|" + " --- |" * 7)
     for text in args.configs.split(","):
-        config = parse_config(text, default)
-        tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, config.block_rows)
-        m = tiles.tile_experts.shape[0] * config.block_rows
-        x_tiled = jnp.zeros((m, k), x_q.dtype).at[tiles.slots].set(x_q)
-        s_tiled = jnp.ones((m, k // BLOCK), jnp.float32).at[tiles.slots].set(x_s)
+        config = parse_config(text, case.default)
+        x_tiled, s_tiled, tiles = case.tiled(config)
         gemm = jax.jit(lambda *a, c=config: moe_gemm.grouped_matmul_fp8(*a, implementation="pallas", config=c))
         alone = jax.jit(lambda a, s, b, u, c=config: stream(a, s.T, b, u, config=c, sms=sms))
         try:

@@ -90,6 +90,29 @@ def profile_config(config, operands, ranges, directory):
     return path
 
 
+class GemmCase:
+    """One bench.moe FP8 GEMM shape's operands: weights, their scales, the routed group sizes and the
+    rows quantized; `tiled(config)` their tiled layout for a config's tile height."""
+
+    def __init__(self, gemm, tokens):
+        self.k, self.n = GEMMS[gemm]
+        key = jax.random.key(2)
+        self.w, self.w_s = fp8_operands(self.k, self.n, jax.random.fold_in(key, self.k))
+        self.sizes = routed_rows(tokens)
+        self.rows = int(self.sizes.sum())
+        x = jax.random.normal(jax.random.fold_in(key, tokens), (self.rows, self.k), jnp.bfloat16)
+        self.x_q, self.x_s = jax.jit(block_fp8.quantize_rows)(x)
+        _, self.default = moe_gemm.plan_fp8(None, (self.w,), rows=self.rows)
+
+    def tiled(self, config):
+        """(x [M, K] e4m3, x_scales [M, K / 128], tiles) in the layout of `config.block_rows`."""
+        tiles = moe_gemm.expert_tiles(jnp.asarray(self.sizes), self.rows, config.block_rows)
+        m = tiles.tile_experts.shape[0] * config.block_rows
+        x_tiled = jnp.zeros((m, self.k), self.x_q.dtype).at[tiles.slots].set(self.x_q)
+        s_tiled = jnp.ones((m, self.k // 128), jnp.float32).at[tiles.slots].set(self.x_s)
+        return x_tiled, s_tiled, tiles
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -98,28 +121,18 @@ def main():
     parser.add_argument("--ranges", type=int, default=1024, help="scopes a warpgroup records")
     parser.add_argument("--keep", default=None, help="a directory to keep the Perfetto traces in")
     args = parser.parse_args()
-    k, n = GEMMS[args.gemm]
-    key = jax.random.key(2)
-    w, w_s = fp8_operands(k, n, jax.random.fold_in(key, k))
-    sizes = routed_rows(args.tokens)
-    rows = int(sizes.sum())
-    x = jax.random.normal(jax.random.fold_in(key, args.tokens), (rows, k), jnp.bfloat16)
-    x_q, x_s = jax.jit(block_fp8.quantize_rows)(x)
-    _, default = moe_gemm.plan_fp8(None, (w,), rows=rows)
+    case = GemmCase(args.gemm, args.tokens)
     directory = args.keep or tempfile.mkdtemp(prefix="fp8_trace")
     os.makedirs(directory, exist_ok=True)
-    log(f"{jax.devices()[0].device_kind}; {args.gemm} K={k} N={n}, {args.tokens} tokens; traces in {directory}")
+    log(f"{jax.devices()[0].device_kind}; {args.gemm} K={case.k} N={case.n}, {args.tokens} tokens; traces in {directory}")
     log("\n| config | warpgroup | steps traced | cycles a step | ideal | "
         + " | ".join(SCOPES) + " |")
     log("|" + " --- |" * 11)
     for text in args.configs.split(","):
-        config = parse_config(text, default)
-        tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, config.block_rows)
-        m = tiles.tile_experts.shape[0] * config.block_rows
-        x_tiled = jnp.zeros((m, k), x_q.dtype).at[tiles.slots].set(x_q)
-        s_tiled = jnp.ones((m, k // 128), jnp.float32).at[tiles.slots].set(x_s)
+        config = parse_config(text, case.default)
+        x_tiled, s_tiled, tiles = case.tiled(config)
         try:
-            path = profile_config(config, (x_tiled, s_tiled, w, w_s, tiles.tile_experts, tiles.used_tiles), args.ranges,
+            path = profile_config(config, (x_tiled, s_tiled, case.w, case.w_s, tiles.tile_experts, tiles.used_tiles), args.ranges,
                                  directory)
         except Exception as e:  # a config that does not fit with the profiler's buffer, say
             log(f"| {text} | failed: {type(e).__name__}: {str(e)[:200]} |")

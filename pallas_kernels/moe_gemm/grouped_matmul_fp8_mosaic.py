@@ -60,13 +60,54 @@ class Fp8GemmConfig:
     profile: tuple[int, str] | None = None
 
 
+def operand_pipeline(config, steps, body, context, state=None):
+    """The warp-specialized pipeline of an item's K slices: rows [block_rows, 128] (multicast to a
+    cluster), weights [block_cols, 128] and the rows' scales of one K block a step, `stages` in flight,
+    fed by the third warpgroup to the two compute warpgroups running `body` in `context`."""
+    bm, bn = config.block_rows, config.block_cols
+    shared = ("cluster",) if config.cluster > 1 else ()  # the rows' copies are multicast to the cluster
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((bm, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM,
+                            collective_axes=shared),
+            plgpu.BlockSpec((bn, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((None, bm), lambda kk: (kk, 0), memory_space=plgpu.SMEM, collective_axes=shared),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=config.stages,
+        compute_context=context,
+        pipeline_state=state,
+    )
+
+
+def walk_items(item, config, steps, sm, mine, ctas):
+    """item(index, pipeline state) for this CTA's items sm, sm + ctas, ... (`mine` of them): with
+    `overlap_items` (where K / 128 allows) one pipeline of pipelines, each item's loads running on into
+    the next's; else each item its own pipeline."""
+    if not (config.overlap_items and steps % min(config.stages, steps) == 0):
+        pl.loop(0, mine)(lambda i: item(sm + i * ctas, None))
+        return
+
+    # One item alone needs both the prologue and the final drain: a pipeline by itself.
+    pl.when(mine == 1)(lambda: item(sm, None))
+
+    @pl.when(mine > 1)
+    def _():
+        @pl.loop(0, mine)
+        def _(i):
+            state = jnp.where(i == 0, plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STEADY)
+            item(sm + i * ctas, jnp.where(i == mine - 1, plgpu.PipelinePipeline.STOP, state))
+
+
 def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas):
     bm, bn = config.block_rows, config.block_cols
     k, n = x_ref.shape[1], w_ref.shape[1]
     col_groups = n // bn // config.cluster  # items a tile: a column block for each CTA of a cluster
     steps = k // BLOCK
-    overlap = config.overlap_items and steps % min(config.stages, steps) == 0
-    shared = ("cluster",) if config.cluster > 1 else ()  # the rows' copies are multicast to the cluster
     split_rows = bm == 2 * 64  # else the warpgroups split the columns of a 64-row tile
     wg_m, wg_n = (64, bn) if split_rows else (bm, bn // 2)
     parts = max(wg_n // BLOCK, 1)  # a warpgroup's columns in scale blocks, each its own product
@@ -74,23 +115,7 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
     out_swizzle = plgpu.find_swizzle(wg_n * 16)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
 
-    def pipeline(body, context, state=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((bm, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM,
-                                collective_axes=shared),
-                plgpu.BlockSpec((bn, BLOCK), lambda kk: (0, kk), transforms=_OPERAND, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((None, bm), lambda kk: (kk, 0), memory_space=plgpu.SMEM, collective_axes=shared),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=config.stages,
-            compute_context=context,
-            pipeline_state=state,
-        )
+    pipeline = functools.partial(operand_pipeline, config, steps)
 
     @functools.partial(
         pl.run_scoped,
@@ -168,19 +193,7 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
                 x_ref.at[rows, :], w_ref.at[expert].at[cols, :], x_scales_ref.at[:, rows], allocations=allocations
             )
 
-        if not overlap:
-            pl.loop(0, mine)(lambda i: item(sm + i * ctas, None))
-            return
-
-        # One item alone needs both the prologue and the final drain: a pipeline by itself.
-        pl.when(mine == 1)(lambda: item(sm, None))
-
-        @pl.when(mine > 1)
-        def _():
-            @pl.loop(0, mine)
-            def _(i):
-                state = jnp.where(i == 0, plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STEADY)
-                item(sm + i * ctas, jnp.where(i == mine - 1, plgpu.PipelinePipeline.STOP, state))
+        walk_items(item, config, steps, sm, mine, ctas)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
