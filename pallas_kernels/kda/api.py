@@ -27,8 +27,8 @@ The Pallas scan factors decays through reference tokens 16 tokens apart and is e
 g >= prefill_intra_mosaic.MIN_GATE (-5 per token, which the model's lower bound guarantees); for unbounded
 gates ask for "reference".
 
-The Pallas scan differentiates (`jax.grad`): its backward recomputes the chunked reference and takes
-that one's vjp in XLA (no backward kernel yet); the gradients are the reference's for the same inputs.
+The Pallas scan differentiates (`jax.grad`): its backward is `chunk_backward.kda_chunk_scan_backward`,
+the reference's vjp derived by hand in jnp and run by XLA (no backward kernel yet).
 """
 
 import functools
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import pick_implementation
 from pallas_kernels.kda import decode_fused_triton, decode_update_mosaic, prefill_chain_mosaic, prefill_intra_mosaic
+from pallas_kernels.kda.chunk_backward import kda_chunk_scan_backward
 from pallas_kernels.kda.reference import (
     check_scan_inputs,
     kda_chunk_scan_reference,
@@ -104,9 +105,7 @@ def _pallas_scan_fwd(q, k, v, g, beta, initial_state, lengths, options):
 
 def _pallas_scan_bwd(options, residuals, cotangents):
     *inputs, lengths = residuals
-    scan = lambda *x: kda_chunk_scan_reference(*x, chunk_size=options[0], lengths=lengths)  # noqa: E731
-    _, vjp = jax.vjp(scan, *inputs)
-    return (*vjp(cotangents), None)
+    return (*kda_chunk_scan_backward(*inputs, *cotangents, chunk_size=options[0], lengths=lengths), None)
 
 
 _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)

@@ -3,6 +3,8 @@ recurrence, the chunked (WY) scan, the decode step (and its two halves as the tw
 it), and the pieces around the core the model and the kernels share (the short conv, the forget gate,
 the L2 norm)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,8 +145,7 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
     """
     check_scan_inputs(q, k, v, g, beta, initial_state, lengths, segment_ids)
     out_dtype = q.dtype
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
+    b, t = q.shape[:2]
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, lengths)
     c = chunk_size
     n_chunks = -(-t // c)
@@ -153,11 +154,7 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
     segments = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     segments = jnp.pad(segments, [(0, 0), (0, pad)], mode="edge").reshape(b, n_chunks, 1, c)
 
-    def chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(b, n_chunks, c, h, *x.shape[3:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
-
+    chunks = functools.partial(to_chunks, chunk_size=c)
     i_idx = jnp.arange(c)[:, None]
     j_idx = jnp.arange(c)[None, :]
     eye = jnp.eye(c, dtype=jnp.float32)
@@ -168,16 +165,10 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
         same = seg[..., :, None] == seg[..., None, :]  # [B, 1, C_i, C_j]
         causal, strictly_causal = same & (j_idx <= i_idx), same & (j_idx < i_idx)
         from_state = (seg == state_segment[..., None])[..., None].astype(jnp.float32)  # [B, 1, C, 1]
-        cum = jnp.cumsum(g_c, axis=-2)
-        diff = cum[..., :, None, :] - cum[..., None, :, :]  # [B, H, C_i, C_j, dk]
-        decay = jnp.exp(jnp.where(causal[..., None], diff, -jnp.inf))
-        k_beta = k_c * b_c[..., None]
-        kk = jnp.einsum("bhid,bhjd,bhijd->bhij", k_beta, k_c, decay, precision=HIGHEST)
-        lower = jnp.where(strictly_causal, kk, 0.0)
+        cum, _, k_beta, lower, qk = chunk_pairs(q_c, k_c, g_c, b_c, causal, strictly_causal)
         # (I + L)^-1 applied to beta*v and to beta*k*exp(G): the WY representation of the chunk.
         u = solve_triangular(eye + lower, v_c * b_c[..., None], lower=True, unit_diagonal=True)
         w = solve_triangular(eye + lower, k_beta * jnp.exp(cum) * from_state, lower=True, unit_diagonal=True)
-        qk = jnp.where(causal, jnp.einsum("bhid,bhjd,bhijd->bhij", q_c, k_c, decay, precision=HIGHEST), 0.0)
         v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=HIGHEST)
         o = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(cum) * from_state, s, precision=HIGHEST)
         o = o + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=HIGHEST)
@@ -190,9 +181,36 @@ def kda_chunk_scan_reference(q, k, v, g, beta, initial_state=None, *, chunk_size
 
     xs = [chunks(x) for x in (q, k, v, g)] + [chunks(beta), jnp.moveaxis(segments, 1, 0)]
     (state, _), o = jax.lax.scan(jax.checkpoint(step), (state, segments[:, 0, :, 0]), xs)
-    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, dv]
-    o = jnp.moveaxis(o, 2, 3).reshape(b, n_chunks * c, h, dv)[:, :t]
-    return o.astype(out_dtype), state
+    return from_chunks(o, t).astype(out_dtype), state
+
+
+def to_chunks(x, chunk_size):
+    """[B, T, H, ...] -> [N, B, H, C, ...], T padded with zeros to whole chunks."""
+    b, t, h = x.shape[:3]
+    n = -(-t // chunk_size)
+    x = jnp.pad(x, [(0, 0), (0, n * chunk_size - t)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(b, n, chunk_size, h, *x.shape[3:])
+    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+
+def from_chunks(x, t):
+    """`to_chunks`' inverse: [N, B, H, C, ...] -> [B, t, H, ...]."""
+    n, b, h, c = x.shape[:4]
+    x = jnp.moveaxis(jnp.moveaxis(x, 0, 1), 2, 3)
+    return x.reshape(b, n * c, h, *x.shape[4:])[:, :t]
+
+
+def chunk_pairs(q_c, k_c, g_c, b_c, causal, strictly_causal):
+    """A chunk's pairwise terms ([B, H, C, d] inputs, beta [B, H, C]; masks [.., C_i, C_j]):
+    (G = cumsum of g, the decays exp(G_i - G_j) [B, H, C_i, C_j, dk] (0 off `causal`), beta k,
+    L = strict_tril(beta k_i . k_j decayed), A_qk = tril(q_i . k_j decayed)). The decays are formed
+    per channel (never as exp(G_i) * exp(-G_j), which overflows for gates near the lower bound)."""
+    cum = jnp.cumsum(g_c, axis=-2)
+    decay = jnp.exp(jnp.where(causal[..., None], cum[..., :, None, :] - cum[..., None, :, :], -jnp.inf))
+    k_beta = k_c * b_c[..., None]
+    lower = jnp.where(strictly_causal, jnp.einsum("bhid,bhjd,bhijd->bhij", k_beta, k_c, decay, precision=HIGHEST), 0.0)
+    qk = jnp.where(causal, jnp.einsum("bhid,bhjd,bhijd->bhij", q_c, k_c, decay, precision=HIGHEST), 0.0)
+    return cum, decay, k_beta, lower, qk
 
 
 def kda_decode_step_reference(qkv, conv_state, conv_weight, f, dt_bias, a_log, beta_logits, state, *, lower_bound):

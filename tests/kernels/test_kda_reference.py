@@ -1,7 +1,9 @@
-"""The KDA references against each other: chunked vs recurrent vs the fused decode step."""
+"""The KDA references against each other: chunked vs recurrent vs the fused decode step; the chunked
+scan's hand-derived backward against its vjp, and its gradients against finite differences."""
 
 import jax
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 from conftest import relative_error
@@ -158,3 +160,38 @@ def test_the_pallas_scan_declines_segments():
     with pytest.raises(ValueError, match="no segment_ids"):
         kda.kda_chunk_scan(q, k, v, g, beta, segment_ids=jnp.ones((1, 64), jnp.int32), implementation="pallas",
                            interpret=True)
+
+
+@pytest.mark.parametrize("t, gate, lengths", [
+    (1, "random", None),                   # T = 1
+    (150, "random", (150, 97)),            # T not a multiple of the chunk, ragged lengths
+    (128, "lower_bound", (128, 64)),       # every gate at the lower bound, a length on a chunk boundary
+])
+def test_hand_derived_backward_is_the_references_vjp(kernel_seed, t, gate, lengths):
+    """`kda_chunk_scan_backward` (the Pallas scan's backward) against jax.vjp of the chunked reference,
+    with an initial state and cotangents for o and the final state, on fresh random inputs."""
+    key = jax.random.key(kernel_seed)
+    q, k, v, g, beta = random_inputs(key, 2, t, 3, 32, gate=gate)
+    keys = jax.random.split(jax.random.fold_in(key, 1), 3)
+    state = 0.1 * jax.random.normal(keys[0], (2, 3, 32, 32))
+    d_o, d_state = jax.random.normal(keys[1], q.shape), jax.random.normal(keys[2], state.shape)
+    lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
+    scan = lambda *x: kda.kda_chunk_scan_reference(*x, lengths=lengths)  # noqa: E731
+    want = jax.vjp(scan, q, k, v, g, beta, state)[1]((d_o, d_state))
+    got = jax.jit(lambda *x: kda.kda_chunk_scan_backward(*x, lengths=lengths))(q, k, v, g, beta, state, d_o, d_state)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert relative_error(a, b) < 2e-5, (name, relative_error(a, b))
+
+
+def test_chunked_reference_gradients_check_numerically():
+    """The chunked reference's own gradients against finite differences (jax.test_util.check_grads,
+    first order, reverse mode, float64 off: fp32 tolerances)."""
+    q, k, v, g, beta = random_inputs(jax.random.key(3), 1, 20, 2, 8)
+    state = 0.1 * jax.random.normal(jax.random.key(4), (1, 2, 8, 8))
+
+    def scan(q, k, v, g, beta, state):
+        o, final = kda.kda_chunk_scan_reference(q, k, v, g, beta, state, chunk_size=8)
+        return jnp.sum(o * jnp.cos(o)) + jnp.sum(final**2)
+
+    jax.test_util.check_grads(scan, (q, k, v, g, beta, state), order=1, modes=["rev"], atol=5e-2, rtol=5e-2, eps=1e-2)
