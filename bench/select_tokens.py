@@ -96,7 +96,10 @@ def inputs(b, t, s, n_valid):
     ks = jax.random.split(jax.random.key(0), 3)
     q_idx = jax.random.normal(ks[0], (b, t, HEADS, HEAD_DIM), jnp.bfloat16)
     head_weights = jax.random.normal(ks[1], (b, t, HEADS), jnp.float32) * HEADS**-0.5
-    pool_keys = jax.random.normal(ks[2], (b, s // POOL, HEAD_DIM), jnp.bfloat16)
+    # A decode step reads the cache's pool keys, whole blocks of the kernels' (`cache.init_cache`); a
+    # prefill the prompt's pools.
+    n_pools = select_tokens.pool_rows(s, POOL) if t == 1 else s // POOL
+    pool_keys = jax.random.normal(ks[2], (b, n_pools, HEAD_DIM), jnp.bfloat16)
     key_valid = jnp.broadcast_to(jnp.arange(s) < n_valid, (b, s))
     positions = jnp.broadcast_to(n_valid - t + jnp.arange(t, dtype=jnp.int32), (b, t))
     workspace = jnp.full((b, TOPK + POOL - 1), -1, jnp.int32)

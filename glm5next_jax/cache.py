@@ -8,7 +8,8 @@
          DSA: {"latent": [n_pages, page_size, R] bf16 or fp8 e4m3, "latent_scale": [n_pages, page_size]
                fp32 (fp8 only: per-token scale), and on "full" layers the indexer cache:
                "index_k", "index_gate": [n_pages, page_size, hd] (paged like the latents),
-               "pool_keys": [B, max_len // P, hd] (written once, when a pool completes),
+               "pool_keys": [B, pool_rows(max_len, P), hd] (written once, when a pool completes; the
+                   pools in whole blocks of the scores kernels', which read it in place),
                "indexer_length": [B] int32, "selected": [B, rows] int32 (the workspace: the last
                query's selected tokens)}],
     }
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.select_tokens import pool_rows
 
 from .config import DSA, Config
 from .errors import InputError, checked_int
@@ -75,7 +78,7 @@ def init_cache(
                 layer.update(
                     index_k=jnp.zeros((n_pages, page_size, c.index_head_dim), dtype),
                     index_gate=jnp.zeros((n_pages, page_size, c.index_head_dim), dtype),
-                    pool_keys=jnp.zeros((batch, max_len // c.index_kpool, c.index_head_dim), dtype),
+                    pool_keys=jnp.zeros((batch, pool_rows(max_len, c.index_kpool), c.index_head_dim), dtype),
                     indexer_length=jnp.zeros((batch,), jnp.int32),
                     selected=jnp.full((batch, rows), -1, jnp.int32),
                 )

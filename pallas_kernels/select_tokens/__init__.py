@@ -4,10 +4,12 @@
 
 from pallas_kernels.select_tokens.api import select_tokens
 from pallas_kernels.select_tokens.reference import (
+    POOL_BLOCK,
     PackedPools,
     candidate_scores_reference,
     first_valid_key,
     packed_pools,
+    pool_rows,
     pool_scores,
     pool_token_indices,
     pool_validity,
@@ -18,10 +20,12 @@ from pallas_kernels.select_tokens.reference import (
 )
 
 __all__ = [
+    "POOL_BLOCK",
     "PackedPools",
     "packed_pools",
     "candidate_scores_reference",
     "first_valid_key",
+    "pool_rows",
     "pool_scores",
     "pool_token_indices",
     "pool_validity",

@@ -28,7 +28,14 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import pick_implementation
 from pallas_kernels.select_tokens import candidate_scores_mosaic, candidate_scores_triton
-from pallas_kernels.select_tokens.reference import QUERY_BLOCK, select_tokens_reference, select_with, top_pools_reference
+from pallas_kernels.select_tokens.reference import (
+    POOL_BLOCK,
+    QUERY_BLOCK,
+    pool_rows,
+    select_tokens_reference,
+    select_with,
+    top_pools_reference,
+)
 from pallas_kernels.select_tokens.top_pools_triton import MAX_TOP_POOLS, top_pools_kernel
 
 # With the kernel, queries ranked together: as many as keep a block's fp32 scores within 64 MB.
@@ -70,8 +77,9 @@ def select_tokens(
         raise ValueError(f"query_positions must be [B, T] = {(b, t)}, got {query_positions.shape}")
     if pool_size < 1 or index_topk % pool_size:
         raise ValueError(f"index_topk ({index_topk}) must be a positive multiple of pool_size ({pool_size})")
-    if pool_keys.shape[1] * pool_size > s:
-        raise ValueError(f"{pool_keys.shape[1]} pools of {pool_size} do not fit in {s} keys")
+    if pool_keys.shape[1] > pool_rows(s, pool_size):
+        raise ValueError(f"{pool_keys.shape[1]} pools of {pool_size} do not fit in {s} keys (at most "
+                         f"pool_rows = {pool_rows(s, pool_size)}: the keys' pools in whole blocks of {POOL_BLOCK})")
     if segment_ids is not None and segment_ids.shape != (b, s):
         raise ValueError(f"segment_ids must be [B, S] = {(b, s)}, got {segment_ids.shape}")
     if backend not in BACKENDS:

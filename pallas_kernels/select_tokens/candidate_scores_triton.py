@@ -10,13 +10,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.select_tokens.reference import POOL_BLOCK
+
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 # Pools a kernel program scores: on the H200, 64 pools a program: 0.069 ms against 0.091 ms at 128 at
 # 4096 tokens, 0.710 against 0.729 at 16384 (32 queries a program, or 16, are slower; bench/RESULTS.md).
-BLOCK_POOLS = 64
+BLOCK_POOLS = POOL_BLOCK
 MAX_BLOCK_QUERIES = 64  # queries a kernel program scores (fewer, down to 16, for shorter blocks)
 MIN_BLOCK_QUERIES = 16  # fewer queries: one query a program, its heads as the product's rows
-FEW_QUERIES_BLOCK_POOLS = 64  # then more programs, each with less to do (decode's grid is small)
+FEW_QUERIES_BLOCK_POOLS = POOL_BLOCK  # then more programs, each with less to do (decode's grid is small)
 
 
 def _candidate_scores_kernel(q_ref, w_ref, keys_ref, valid_ref, visible_ref, out_ref, *, scale, block_q, block_p):
@@ -70,7 +72,8 @@ def candidate_scores_kernel(q_idx, head_weights, pool_keys, pool_valid, visible,
     pad_t, pad_p = -t % block_q, -n_pools % block_p
     q = jnp.pad(q_idx, [(0, 0), (0, pad_t), (0, heads - nh), (0, 0)])
     w = jnp.pad(head_weights.astype(jnp.float32), [(0, 0), (0, pad_t), (0, heads - nh)])
-    keys = jnp.pad(pool_keys, [(0, 0), (0, pad_p), (0, 0)])
+    # A cache of whole blocks (`reference.pool_rows`) is read in place; another is copied whole.
+    keys = jnp.pad(pool_keys, [(0, 0), (0, pad_p), (0, 0)]) if pad_p else pool_keys
     valid = jnp.pad(pool_valid.astype(jnp.int32), [(0, 0), (0, pad_p)])
     visible = jnp.pad(visible.astype(jnp.int32), [(0, 0), (0, pad_t)])
     if few:

@@ -11,6 +11,14 @@ import jax.numpy as jnp
 from pallas_kernels.common import HIGHEST, map_query_blocks
 
 QUERY_BLOCK = 256  # queries scored and ranked together by the reference
+POOL_BLOCK = 64  # pools the scores kernels take a block: a pool-key cache of whole blocks is read in place
+
+
+def pool_rows(keys: int, pool_size: int) -> int:
+    """Rows of a pool-key cache over `keys` keys: its pools rounded up to whole POOL_BLOCKs, so that
+    the scores kernels read it as it lies (a cache of any other width is copied into whole blocks at
+    every call). The rows past the keys' pools are never valid."""
+    return -(-(keys // pool_size) // POOL_BLOCK) * POOL_BLOCK
 
 
 def first_valid_key(key_valid):
@@ -176,7 +184,7 @@ def select_with(
     first_key = first_valid_key(key_valid)
     parts = []
 
-    n_select = min(index_topk // pool_size, n_pools)
+    n_select = min(index_topk // pool_size, n_pools, s // pool_size)  # rows past the keys' pools: never valid
     if n_select > 0:
         chosen, chosen_valid = _rank_pools(
             scores_fn, top_fn, q_idx, head_weights, pool_keys, key_valid, query_positions, n_select, pool_size, block
@@ -212,7 +220,8 @@ def select_tokens_reference(
     segment_ids=None,
 ):
     """q_idx [B, T, nh, hd]; head_weights [B, T, nh] (already scaled by nh^-0.5); pool_keys [B, NP, hd]
-    (pool p starts at first_valid_key + p * pool_size); key_valid [B, S] bool; query_positions [B, T]
+    (pool p starts at first_valid_key + p * pool_size; NP at most `pool_rows(S, pool_size)`, the rows
+    past the keys' pools never valid); key_valid [B, S] bool; query_positions [B, T]
     int32, each query's index on the key axis. Returns int32 [B, T, index_topk (+ pool_size - 1 when
     select_tail)] of key indices, -1 padded.
 

@@ -183,6 +183,26 @@ def test_selection_through_the_kernel_is_the_references(name):
     assert (np.asarray(want) >= 0).any()
 
 
+@pytest.mark.parametrize("implementation", ["reference", "pallas"])
+def test_a_pool_key_cache_of_whole_blocks_selects_as_the_keys_pools_alone(implementation):
+    """pool_keys with `pool_rows` rows (the keys' 37 pools and 27 rows past them, garbage that is
+    never valid, as the decode cache holds them so that the scores kernel reads it in place): the
+    selection equals that over the 37 pools alone, and the Triton wrapper pads nothing."""
+    b, t, n_pools, pool, first_query, _, nh = KERNEL_CASES["one query at the end of the cache, heads as rows"]
+    q, w, keys, mask, positions = kernel_case(5, b, t, n_pools, pool, first_query, nh=nh)
+    rows = st.pool_rows(n_pools * pool, pool)
+    assert rows == st.POOL_BLOCK
+    cache = jnp.concatenate([keys, jax.random.normal(jax.random.key(6), (b, rows - n_pools, keys.shape[-1]), keys.dtype)], 1)
+    kw = dict(index_topk=64 * pool, pool_size=pool, implementation=implementation, interpret=True)  # more than 37 pools
+    got, want = st.select_tokens(q, w, cache, mask, positions, **kw), st.select_tokens(q, w, keys, mask, positions, **kw)
+    np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
+    if implementation == "pallas":
+        jaxpr = jax.make_jaxpr(lambda c: st.select_tokens(q, w, c, mask, positions, **kw))(cache)
+        assert not [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pad" and e.invars[0] is jaxpr.jaxpr.invars[0]]
+    with pytest.raises(ValueError, match="pool_rows"):
+        st.select_tokens(q, w, jnp.concatenate([cache, cache[:, :1]], 1), mask, positions, **kw)
+
+
 @pytest.mark.parametrize("n, k", [(64, 16), (100, 7), (33, 33), (1, 1), (1040, 512)])
 def test_top_pools_kernel_keeps_the_references_set(n, k):
     """Against XLA's top-k: ties (scores rounded to halves, and many zeros) go to the lower index,
