@@ -108,15 +108,15 @@ def test_a_resumed_run_equals_an_unbroken_one(shipped_train_form, tmp_path):
         store.save_train_state(tmp_path / "bad", first, config, data_position=-1)
 
 
-def _primitives(jaxpr, into_loops=True):
-    """Every primitive's name in a (closed) jaxpr, sub-jaxprs included (without `into_loops`, not
-    those of scans and while loops: the KDA reference checkpoints its chunk step inside its scan)."""
+def _primitives_outside_loops(jaxpr):
+    """Every primitive's name in a (closed) jaxpr, sub-jaxprs included but not those of scans and
+    while loops (the KDA reference checkpoints its chunk step inside its scan)."""
     names = []
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         names.append(eqn.primitive.name)
-        if into_loops or eqn.primitive.name not in ("scan", "while"):
+        if eqn.primitive.name not in ("scan", "while"):
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                names += _primitives(sub, into_loops)
+                names += _primitives_outside_loops(sub)
     return names
 
 
@@ -138,7 +138,7 @@ def test_remat_keeps_the_values_and_checkpoints_each_layer(shipped_train_form, r
     def loss_of(remat):
         return lambda p: train.next_token_loss(train.inference_params(p, config), config, ids, remat=remat)
 
-    names = _primitives(jax.make_jaxpr(jax.grad(loss_of(remat)))(params), into_loops=False)
+    names = _primitives_outside_loops(jax.make_jaxpr(jax.grad(loss_of(remat)))(params))
     assert sum("remat" in n or "checkpoint" in n for n in names) == config.num_hidden_layers
     with pytest.raises(InputError, match="remat must be one of"):
         train.next_token_loss(train.inference_params(params, config), config, ids, remat="some")
