@@ -1,6 +1,6 @@
 """The chunked KDA scan's backward pass, derived by hand in jnp: what `jax.vjp` of
-`kda_chunk_scan_reference` computes, in the chunked form the backward kernels will take, and the
-Pallas scan's backward meanwhile (about 2x faster than the reference's autodiff on a CPU).
+`kda_chunk_scan_reference` computes, in the chunk-parallel form the backward kernels take, and the
+Pallas scan's backward meanwhile.
 
 Per chunk (per head; C tokens, G the running sums of the gates inside the chunk, G_L its last row,
 S the state entering the chunk), the forward is
@@ -15,8 +15,16 @@ Given d o and d S' (the next chunk's d S, or the final state's cotangent):
     d L = -strict_tril(T^T d T T^T),
 and the pairwise terms pass d L and d A to q, beta k and k; each pair's decay exp(G_i - G_j) adds
 its term's gradient to G_i and takes it from G_j; d g is the reverse running sum of d G inside the
-chunk. A first pass recomputes the states entering the chunks (kept: [N, B, H, dk, dv] fp32); the
-second walks the chunks backwards, recomputing each one's terms.
+chunk.
+
+Only two recurrences are serial, each two or three [C, d] x [d, d] products a chunk: the states
+entering the chunks (kept, [N, B, H, dk, dv] fp32) and d S. Everything else runs over all chunks at
+once. The pairwise scores and their gradients never form the [C, C, dk] decays: the chunk's columns
+are taken 16 at a time, each block's decays factored through its first token r,
+exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), so a block is one product of the rows scaled by the
+first factor (at most 1 for i >= r; rows above r see none of the block and are zeroed) and its
+columns by the second (at most exp(15 |g|)). Exact while every gate g >= -5, the kernels' bound
+(exp(75) times dk stays finite in fp32).
 """
 
 import jax
@@ -24,7 +32,9 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from pallas_kernels.common import HIGHEST
-from pallas_kernels.kda.reference import _prepare, chunk_pairs, from_chunks, to_chunks
+from pallas_kernels.kda.reference import _prepare, from_chunks, to_chunks
+
+DECAY_BLOCK = 16  # columns whose decays share a reference token
 
 
 def _einsum(spec, *xs):
@@ -34,9 +44,11 @@ def _einsum(spec, *xs):
 def kda_chunk_scan_backward(q, k, v, g, beta, initial_state, d_o, d_state, *, chunk_size=64, lengths=None):
     """(d q, d k, d v, d g, d beta, d initial_state) of `kda_chunk_scan_reference(q, k, v, g, beta,
     initial_state, chunk_size=, lengths=)` for the cotangents d_o [B, T, H, dv] and d_state
-    [B, H, dk, dv]: its `jax.vjp`, by the chunked backward above (no segment_ids). initial_state
-    may be None (zeros; its gradient is then returned all the same). Each gradient in its input's
-    dtype."""
+    [B, H, dk, dv]: its `jax.vjp`, by the chunked backward above (no segment_ids; gates >= -5;
+    chunk_size a multiple of 16). initial_state may be None (zeros; its gradient is then returned
+    all the same). Each gradient in its input's dtype."""
+    if chunk_size % DECAY_BLOCK:
+        raise ValueError(f"chunk_size must be a multiple of {DECAY_BLOCK}, got {chunk_size}")
     prepared, prepare_vjp = jax.vjp(lambda *x: _prepare(*x, lengths), q, k, v, g, beta,
                                     jnp.zeros((*q.shape[:1], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
                                     if initial_state is None else initial_state)
@@ -44,60 +56,136 @@ def kda_chunk_scan_backward(q, k, v, g, beta, initial_state, d_o, d_state, *, ch
     return prepare_vjp(grads)
 
 
+def _block_scales(g):
+    """The factored decays of a chunk with gates g [.., C, d], its tokens in blocks of 16: below the
+    diagonal blocks, through each column block's last token e (rows_off [.., nb, C, d]: exp(G_i - G_e)
+    for i > e, zero above; cols_off [.., nb, 16, d]: exp(G_e - G_j) for the block's tokens j: both at
+    most 1); inside a diagonal block, through its first token s (rows_diag exp(G_i - G_s), at most 1;
+    cols_diag exp(G_s - G_j), at most exp(15 |g|)). Each exponent is summed from the gates between the
+    two tokens, never as a difference of the chunk's running sums (which grow to 64 |g| and would lose
+    its low bits)."""
+    c = g.shape[-2]
+    blocks = g.reshape(*g.shape[:-2], c // DECAY_BLOCK, DECAY_BLOCK, g.shape[-1])
+    since_first = jnp.cumsum(blocks.at[..., 0, :].set(0.0), axis=-2)
+    ends = jnp.arange(DECAY_BLOCK - 1, c, DECAY_BLOCK)
+    past = (jnp.arange(c)[None, :] > ends[:, None])[..., None]  # [nb, C, 1]
+    since_end = jnp.cumsum(jnp.where(past, g[..., None, :, :], 0.0), axis=-2)
+    return dict(rows_off=jnp.where(past, jnp.exp(since_end), 0.0), cols_off=jnp.exp(_to_last(blocks)),
+                rows_diag=jnp.exp(since_first), cols_diag=jnp.exp(-since_first))
+
+
+def _to_last(g):
+    """[.., C, d] -> G_L - G_i: the sum of the gates after token i, summed from the end."""
+    after = jnp.flip(jnp.cumsum(jnp.flip(g[..., 1:, :], -2), -2), -2)
+    return jnp.concatenate([after, jnp.zeros_like(g[..., :1, :])], axis=-2)
+
+
+def _blocks(x):
+    return x.reshape(*x.shape[:-2], x.shape[-2] // DECAY_BLOCK, DECAY_BLOCK, x.shape[-1])
+
+
+def _factors(x, y, scales):
+    """x and y scaled by the decays' factors: (rows off the diagonal [.., nb, C, d], columns off it
+    [.., nb, 16, d], rows and columns of the diagonal blocks [.., nb, 16, d])."""
+    return (x[..., None, :, :] * scales["rows_off"], _blocks(y) * scales["cols_off"],
+            _blocks(x) * scales["rows_diag"], _blocks(y) * scales["cols_diag"])
+
+
+def _decayed_scores(x, y, scales):
+    """[.., C_i, C_j]: sum_d x_id y_jd exp(G_id - G_jd) for j at or below i (above: finite, for the
+    caller's mask). x, y [.., C, d]; scales from `_block_scales`."""
+    x_off, y_off, x_diag, y_diag = _factors(x, y, scales)
+    nb = y_off.shape[-3]
+    off = _einsum("...bid,...bjd->...ibj", x_off, y_off).reshape(*x.shape[:-2], nb, DECAY_BLOCK, nb, DECAY_BLOCK)
+    diag = _einsum("...aid,...ajd->...aij", x_diag, y_diag)
+    scores = off + diag[..., :, :, None, :] * jnp.eye(nb, dtype=diag.dtype)[:, None, :, None]
+    return scores.reshape(*x.shape[:-2], nb * DECAY_BLOCK, nb * DECAY_BLOCK)
+
+
+def _decayed_scores_vjp(d_scores, x, y, scales):
+    """The gradients (d x, d y, d G) of `_decayed_scores`' masked sum for d_scores [.., C, C] zero where
+    the mask drops a pair: d G takes each pair's term at its row and gives it back at its column."""
+    x_off, y_off, x_diag, y_diag = _factors(x, y, scales)
+    nb = y_off.shape[-3]
+    d_off = d_scores.reshape(*d_scores.shape[:-1], nb, DECAY_BLOCK)  # [.., C, nb, 16]
+    d_diag = jnp.moveaxis(jnp.diagonal(d_off.reshape(*d_off.shape[:-3], nb, DECAY_BLOCK, nb, DECAY_BLOCK),
+                                       axis1=-4, axis2=-2), -1, -3)  # [.., nb, 16, 16]
+    d_x_off = _einsum("...ibj,...bjd->...bid", d_off, y_off)  # zero weight above each block: rows_off
+    d_y_off = _einsum("...ibj,...bid->...bjd", d_off, x_off)
+    d_x_diag = _einsum("...aij,...ajd->...aid", d_diag, y_diag)
+    d_y_diag = _einsum("...aij,...aid->...ajd", d_diag, x_diag)
+    d_x = (d_x_off * scales["rows_off"]).sum(-3) + (d_x_diag * scales["rows_diag"]).reshape(x.shape)
+    d_y = (d_y_off * scales["cols_off"] + d_y_diag * scales["cols_diag"]).reshape(y.shape)
+    d_cum = ((d_x_off * x_off).sum(-3) + (d_x_diag * x_diag).reshape(x.shape)
+             - (d_y_off * y_off + d_y_diag * y_diag).reshape(y.shape))
+    return d_x, d_y, d_cum
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """Every chunk's forward terms at once (inputs [.., C, d], beta [.., C])."""
+    c = q.shape[-2]
+    cum = jnp.cumsum(g, axis=-2)
+    scales = _block_scales(g)
+    causal = jnp.tril(jnp.ones((c, c), jnp.bool_))
+    strictly_causal = jnp.tril(causal, -1)
+    k_beta = k * beta[..., None]
+    lower = jnp.where(strictly_causal, _decayed_scores(k_beta, k, scales), 0.0)
+    qk = jnp.where(causal, _decayed_scores(q, k, scales), 0.0)
+    eye = jnp.eye(c, dtype=jnp.float32)
+    inverse = solve_triangular(eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True, unit_diagonal=True)
+    beta_v, beta_k = v * beta[..., None], k_beta * jnp.exp(cum)
+    u, w = _einsum("...ij,...jv->...iv", inverse, beta_v), _einsum("...ij,...jd->...id", inverse, beta_k)
+    to_last = jnp.exp(_to_last(g))
+    return dict(cum=cum, scales=scales, k_beta=k_beta, qk=qk, inverse=inverse, beta_v=beta_v, beta_k=beta_k, u=u,
+                w=w, decay=jnp.exp(cum[..., -1, :]), to_last=to_last, k_last=k * to_last, q_gated=q * jnp.exp(cum),
+                causal=causal, strictly_causal=strictly_causal)
+
+
 def _backward(q, k, v, g, beta, state, d_o, d_state, c):
     t = q.shape[1]
-    xs = tuple(to_chunks(x, c) for x in (q, k, v, g, beta))
-    i_idx, j_idx = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
-    causal, strictly_causal = j_idx <= i_idx, j_idx < i_idx
-    eye = jnp.eye(c, dtype=jnp.float32)
+    q_c, k_c, v_c, g_c, b_c = (to_chunks(x, c) for x in (q, k, v, g, beta))  # [N, B, H, C, ..]
+    d_o_c = to_chunks(d_o, c)
+    f = _chunk_terms(q_c, k_c, v_c, g_c, b_c)
+    w, u, k_last, q_gated, decay = f["w"], f["u"], f["k_last"], f["q_gated"], f["decay"]
 
-    def chunk_terms(q_c, k_c, v_c, g_c, b_c):
-        cum, decay, k_beta, lower, qk = chunk_pairs(q_c, k_c, g_c, b_c, causal, strictly_causal)
-        inverse = solve_triangular(eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True, unit_diagonal=True)
-        beta_v, beta_k = v_c * b_c[..., None], k_beta * jnp.exp(cum)
-        u, w = _einsum("bhij,bhjv->bhiv", inverse, beta_v), _einsum("bhij,bhjd->bhid", inverse, beta_k)
-        return cum, decay, k_beta, inverse, beta_v, beta_k, u, w, qk
+    def state_step(s, x):  # the states entering the chunks
+        w_n, u_n, k_last_n, decay_n = x
+        v_new = u_n - _einsum("...ck,...kv->...cv", w_n, s)
+        return s * decay_n[..., None] + _einsum("...ck,...cv->...kv", k_last_n, v_new), s
 
-    def forward(s, x):  # the state entering each chunk
-        k_c = x[1]
-        cum, *_, u, w, _ = chunk_terms(*x)
-        last = cum[..., -1:, :]
-        v_new = u - _einsum("bhck,bhkv->bhcv", w, s)
-        return s * jnp.exp(last)[..., 0, :, None] + _einsum("bhck,bhcv->bhkv", k_c * jnp.exp(last - cum), v_new), s
+    _, states = jax.lax.scan(state_step, state, (w, u, k_last, decay))
+    v_new = u - _einsum("...ck,...kv->...cv", w, states)
+    d_v_local = _einsum("...ij,...iv->...jv", f["qk"], d_o_c)
+    d_s_local = _einsum("...ck,...cv->...kv", q_gated, d_o_c)
 
-    _, states = jax.lax.scan(forward, state, xs)
+    def state_grad_step(d_next, x):  # d S backwards; each chunk's d v' and the d S' it received
+        d_v_local_n, d_s_local_n, w_n, k_last_n, decay_n = x
+        d_v_new = d_v_local_n + _einsum("...ck,...kv->...cv", k_last_n, d_next)
+        d_s = decay_n[..., None] * d_next + d_s_local_n - _einsum("...ck,...cv->...kv", w_n, d_v_new)
+        return d_s, (d_v_new, d_next)
 
-    def backward(d_next, x):
-        (q_c, k_c, v_c, g_c, b_c), s, d_o_c = x
-        cum, decay, k_beta, inverse, beta_v, beta_k, u, w, qk = chunk_terms(q_c, k_c, v_c, g_c, b_c)
-        last = cum[..., -1:, :]
-        v_new = u - _einsum("bhck,bhkv->bhcv", w, s)
-        k_last, q_gated = k_c * jnp.exp(last - cum), q_c * jnp.exp(cum)
-        d_v_new = _einsum("bhij,bhiv->bhjv", qk, d_o_c) + _einsum("bhck,bhkv->bhcv", k_last, d_next)
-        d_s = (jnp.exp(last)[..., 0, :, None] * d_next + _einsum("bhck,bhcv->bhkv", q_gated, d_o_c)
-               - _einsum("bhck,bhcv->bhkv", w, d_v_new))
-        d_qk = jnp.where(causal, _einsum("bhiv,bhjv->bhij", d_o_c, v_new), 0.0)
-        d_w = -_einsum("bhcv,bhkv->bhck", d_v_new, s)
-        d_q_gated = _einsum("bhcv,bhkv->bhck", d_o_c, s)
-        d_k_last = _einsum("bhcv,bhkv->bhck", v_new, d_next)
-        d_inverse = _einsum("bhiv,bhjv->bhij", d_v_new, beta_v) + _einsum("bhid,bhjd->bhij", d_w, beta_k)
-        d_beta_v = _einsum("bhji,bhjv->bhiv", inverse, d_v_new)
-        d_beta_k = _einsum("bhji,bhjd->bhid", inverse, d_w)
-        d_lower = jnp.where(strictly_causal, -_einsum("bhki,bhkl,bhjl->bhij", inverse, d_inverse, inverse), 0.0)
-        # The pairs: L_ij = sum_c (beta k)_ic k_jc decay_ijc and A_ij = sum_c q_ic k_jc decay_ijc.
-        pair_terms = (_einsum("bhij,bhid,bhjd,bhijd->bhijd", d_lower, k_beta, k_c, decay)
-                      + _einsum("bhij,bhid,bhjd,bhijd->bhijd", d_qk, q_c, k_c, decay))
-        d_cum = pair_terms.sum(-2) - pair_terms.sum(-3)
-        d_k_beta = _einsum("bhij,bhjd,bhijd->bhid", d_lower, k_c, decay) + d_beta_k * jnp.exp(cum)
-        d_k = (_einsum("bhij,bhid,bhijd->bhjd", d_lower, k_beta, decay) + _einsum("bhij,bhid,bhijd->bhjd", d_qk, q_c, decay)
-               + d_k_last * jnp.exp(last - cum) + d_k_beta * b_c[..., None])
-        d_q = _einsum("bhij,bhjd,bhijd->bhid", d_qk, k_c, decay) + d_q_gated * jnp.exp(cum)
-        d_cum = d_cum + d_q_gated * q_gated + d_beta_k * beta_k - d_k_last * k_last
-        d_last = (d_k_last * k_last).sum(-2) + jnp.exp(last[..., 0, :]) * (s * d_next).sum(-1)
-        d_cum = d_cum.at[..., -1, :].add(d_last)
-        d_g = jnp.flip(jnp.cumsum(jnp.flip(d_cum, -2), -2), -2)
-        d_beta = (d_beta_v * v_c).sum(-1) + (d_k_beta * k_c).sum(-1)
-        return d_s, (d_q, d_k, d_beta_v * b_c[..., None], d_g, d_beta)
+    d_state0, (d_v_new, d_next) = jax.lax.scan(
+        state_grad_step, d_state, (d_v_local, d_s_local, w, k_last, decay), reverse=True)
 
-    d_state0, grads = jax.lax.scan(backward, d_state, (xs, states, to_chunks(d_o, c)), reverse=True)
+    inverse, beta_v, beta_k, k_beta, cum = f["inverse"], f["beta_v"], f["beta_k"], f["k_beta"], f["cum"]
+    d_qk = jnp.where(f["causal"], _einsum("...iv,...jv->...ij", d_o_c, v_new), 0.0)
+    d_w = -_einsum("...cv,...kv->...ck", d_v_new, states)
+    d_q_gated = _einsum("...cv,...kv->...ck", d_o_c, states)
+    d_k_last = _einsum("...cv,...kv->...ck", v_new, d_next)
+    d_inverse = _einsum("...iv,...jv->...ij", d_v_new, beta_v) + _einsum("...id,...jd->...ij", d_w, beta_k)
+    d_beta_v = _einsum("...ji,...jv->...iv", inverse, d_v_new)
+    d_beta_k = _einsum("...ji,...jd->...id", inverse, d_w)
+    d_lower = jnp.where(f["strictly_causal"],
+                        -_einsum("...ki,...kl,...jl->...ij", inverse, d_inverse, inverse), 0.0)
+    d_k_beta_pairs, d_k_lower, d_cum_lower = _decayed_scores_vjp(d_lower, k_beta, k_c, f["scales"])
+    d_q_pairs, d_k_qk, d_cum_qk = _decayed_scores_vjp(d_qk, q_c, k_c, f["scales"])
+    d_k_beta = d_k_beta_pairs + d_beta_k * jnp.exp(cum)
+    d_k = d_k_lower + d_k_qk + d_k_last * f["to_last"] + d_k_beta * b_c[..., None]
+    d_q = d_q_pairs + d_q_gated * jnp.exp(cum)
+    d_cum = d_cum_lower + d_cum_qk + d_q_gated * q_gated + d_beta_k * beta_k - d_k_last * k_last
+    d_last = (d_k_last * k_last).sum(-2) + decay * (states * d_next).sum(-1)
+    d_cum = d_cum.at[..., -1, :].add(d_last)
+    d_g = jnp.flip(jnp.cumsum(jnp.flip(d_cum, -2), -2), -2)
+    d_beta = (d_beta_v * v_c).sum(-1) + (d_k_beta * k_c).sum(-1)
+    grads = (d_q, d_k, d_beta_v * b_c[..., None], d_g, d_beta)
     return (*(from_chunks(x, t) for x in grads), d_state0)

@@ -56,8 +56,13 @@ def forget_gate(f, dt_bias, a_log, *, lower_bound):
     return -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(f)))
 
 
+def compute_dtype(x):
+    """fp32, or fp64 for fp64 inputs (the references as float64 oracles)."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def l2_normalise(x):
-    x = x.astype(jnp.float32)
+    x = x.astype(compute_dtype(x))
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
@@ -84,21 +89,24 @@ def check_scan_inputs(q, k, v, g, beta, initial_state, lengths=None, segment_ids
 
 
 def _prepare(q, k, v, g, beta, initial_state, lengths):
+    """The scan's inputs in its compute dtype (that of q): q and k L2-normalised (q scaled by dk^-0.5),
+    tokens at or past `lengths` neither decaying nor writing, the state zeros if None."""
     dk = q.shape[-1]
+    dtype = compute_dtype(q)
     q = l2_normalise(q) * dk**-0.5
     k = l2_normalise(k)
-    g = g.astype(jnp.float32)
-    beta = beta.astype(jnp.float32)
+    g = g.astype(dtype)
+    beta = beta.astype(dtype)
     if lengths is not None:
         valid = jnp.arange(q.shape[1])[None, :] < lengths[:, None]  # [B, T]
         g = jnp.where(valid[:, :, None, None], g, 0.0)
         beta = jnp.where(valid[:, :, None], beta, 0.0)
     state = (
-        jnp.zeros((q.shape[0], q.shape[2], dk, v.shape[-1]), jnp.float32)
+        jnp.zeros((q.shape[0], q.shape[2], dk, v.shape[-1]), dtype)
         if initial_state is None
-        else initial_state.astype(jnp.float32)
+        else initial_state.astype(dtype)
     )
-    return q, k, v.astype(jnp.float32), g, beta, state
+    return q, k, v.astype(dtype), g, beta, state
 
 
 def segment_starts(segment_ids):
