@@ -27,8 +27,9 @@ The Pallas scan factors decays through reference tokens 16 tokens apart and is e
 g >= prefill_intra_mosaic.MIN_GATE (-5 per token, which the model's lower bound guarantees); for unbounded
 gates ask for "reference".
 
-The Pallas scan differentiates (`jax.grad`): its backward is `chunk_backward.kda_chunk_scan_backward`,
-the reference's vjp derived by hand in jnp and run by XLA (no backward kernel yet).
+The Pallas scan differentiates (`jax.grad`): its forward keeps the state entering every chunk, and its
+backward is `chunk_backward.kda_chunk_scan_backward` on those states, the serial d S recurrence in a
+kernel (`backward_chain_mosaic`) and every chunk's own terms in XLA, all chunks at once.
 """
 
 import functools
@@ -37,7 +38,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import pick_implementation
-from pallas_kernels.kda import decode_fused_triton, decode_update_mosaic, prefill_chain_mosaic, prefill_intra_mosaic
+from pallas_kernels.kda import (
+    backward_chain_mosaic,
+    decode_fused_triton,
+    decode_update_mosaic,
+    prefill_chain_mosaic,
+    prefill_intra_mosaic,
+)
 from pallas_kernels.kda.chunk_backward import kda_chunk_scan_backward
 from pallas_kernels.kda.reference import (
     check_scan_inputs,
@@ -87,25 +94,33 @@ def kda_chunk_scan(
     return _pallas_scan(q, k, v, g, beta, initial_state, lengths, options)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _pallas_scan(q, k, v, g, beta, initial_state, lengths, options):
+def _run_pallas_scan(q, k, v, g, beta, initial_state, lengths, options, keep_states):
     _, block_v, value_slots, o_products, multicast, interpret = options
     bf16 = jnp.bfloat16
-    o, state = prefill_chain_mosaic.chunk_scan(
+    o, *states = prefill_chain_mosaic.chunk_scan(
         q.astype(bf16), k.astype(bf16), v.astype(bf16), g.astype(jnp.float32), beta,
         initial_state.astype(jnp.float32), lengths, out_dtype=q.dtype, block_v=block_v,
-        value_slots=value_slots, o_products=o_products, multicast=multicast, interpret=interpret,
+        value_slots=value_slots, o_products=o_products, multicast=multicast, keep_states=keep_states,
+        interpret=interpret,
     )
-    return o[:, : q.shape[1]], state
+    return o[:, : q.shape[1]], *states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _pallas_scan(q, k, v, g, beta, initial_state, lengths, options):
+    return _run_pallas_scan(q, k, v, g, beta, initial_state, lengths, options, keep_states=False)
 
 
 def _pallas_scan_fwd(q, k, v, g, beta, initial_state, lengths, options):
-    return _pallas_scan(q, k, v, g, beta, initial_state, lengths, options), (q, k, v, g, beta, initial_state, lengths)
+    o, state, states = _run_pallas_scan(q, k, v, g, beta, initial_state, lengths, options, keep_states=True)
+    return (o, state), (q, k, v, g, beta, initial_state, lengths, states)
 
 
 def _pallas_scan_bwd(options, residuals, cotangents):
-    *inputs, lengths = residuals
-    return (*kda_chunk_scan_backward(*inputs, *cotangents, chunk_size=options[0], lengths=lengths), None)
+    *inputs, lengths, states = residuals
+    state_gradients = functools.partial(backward_chain_mosaic.state_gradients, interpret=options[-1])
+    return (*kda_chunk_scan_backward(*inputs, *cotangents, chunk_size=options[0], lengths=lengths, states=states,
+                                     state_gradients=state_gradients), None)
 
 
 _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)

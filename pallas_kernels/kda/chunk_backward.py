@@ -17,8 +17,8 @@ and the pairwise terms pass d L and d A to q, beta k and k; each pair's decay ex
 its term's gradient to G_i and takes it from G_j; d g is the reverse running sum of d G inside the
 chunk.
 
-Only two recurrences are serial, each two or three [C, d] x [d, d] products a chunk: the states
-entering the chunks (kept, [N, B, H, dk, dv] fp32) and d S. Everything else runs over all chunks at
+Only two recurrences are serial, two [C, d] x [d, d] products a chunk each: the states entering the
+chunks ([B, H, N, dk, dv] fp32, the forward's if it kept them) and d S. Everything else runs over all chunks at
 once. The pairwise scores and their gradients never form the [C, C, dk] decays: the chunk's columns
 are taken 16 at a time, each block's decays factored through its first token r,
 exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), so a block is one product of the rows scaled by the
@@ -41,18 +41,23 @@ def _einsum(spec, *xs):
     return jnp.einsum(spec, *xs, precision=HIGHEST)
 
 
-def kda_chunk_scan_backward(q, k, v, g, beta, initial_state, d_o, d_state, *, chunk_size=64, lengths=None):
+def kda_chunk_scan_backward(q, k, v, g, beta, initial_state, d_o, d_state, *, chunk_size=64, lengths=None,
+                            states=None, state_gradients=None):
     """(d q, d k, d v, d g, d beta, d initial_state) of `kda_chunk_scan_reference(q, k, v, g, beta,
     initial_state, chunk_size=, lengths=)` for the cotangents d_o [B, T, H, dv] and d_state
     [B, H, dk, dv]: its `jax.vjp`, by the chunked backward above (no segment_ids; gates >= -5;
     chunk_size a multiple of 16). initial_state may be None (zeros; its gradient is then returned
-    all the same). Each gradient in its input's dtype."""
+    all the same). `states`: the states entering the chunks [B, H, N, dk, dv] fp32 as the forward
+    computed them, else recomputed (`chunk_states_reference`). `state_gradients`: the serial
+    backward recurrence, `state_gradients_reference` (the default) or its kernel
+    (`backward_chain_mosaic.state_gradients`). Each gradient in its input's dtype."""
     if chunk_size % DECAY_BLOCK:
         raise ValueError(f"chunk_size must be a multiple of {DECAY_BLOCK}, got {chunk_size}")
     prepared, prepare_vjp = jax.vjp(lambda *x: _prepare(*x, lengths), q, k, v, g, beta,
                                     jnp.zeros((*q.shape[:1], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
                                     if initial_state is None else initial_state)
-    grads = _backward(*prepared, d_o.astype(jnp.float32), d_state.astype(jnp.float32), chunk_size)
+    grads = _backward(*prepared, d_o.astype(jnp.float32), d_state.astype(jnp.float32), chunk_size, states,
+                      state_gradients or state_gradients_reference)
     return prepare_vjp(grads)
 
 
@@ -141,31 +146,54 @@ def _chunk_terms(q, k, v, g, beta):
                 causal=causal, strictly_causal=strictly_causal)
 
 
-def _backward(q, k, v, g, beta, state, d_o, d_state, c):
-    t = q.shape[1]
-    q_c, k_c, v_c, g_c, b_c = (to_chunks(x, c) for x in (q, k, v, g, beta))  # [N, B, H, C, ..]
-    d_o_c = to_chunks(d_o, c)
-    f = _chunk_terms(q_c, k_c, v_c, g_c, b_c)
-    w, u, k_last, q_gated, decay = f["w"], f["u"], f["k_last"], f["q_gated"], f["decay"]
+def chunk_states_reference(w, u, k_last, decay, state):
+    """The states entering the chunks [B, H, N, dk, dv] from each chunk's w, u [B, H, N, C, d],
+    k exp(G_L - G) and exp(G_L) [B, H, N, dk], and the initial state [B, H, dk, dv]: the forward's
+    serial recurrence S' = exp(G_L) S + (k exp(G_L - G))^T (u - w S)."""
 
-    def state_step(s, x):  # the states entering the chunks
+    def step(s, x):
         w_n, u_n, k_last_n, decay_n = x
         v_new = u_n - _einsum("...ck,...kv->...cv", w_n, s)
         return s * decay_n[..., None] + _einsum("...ck,...cv->...kv", k_last_n, v_new), s
 
-    _, states = jax.lax.scan(state_step, state, (w, u, k_last, decay))
-    v_new = u - _einsum("...ck,...kv->...cv", w, states)
-    d_v_local = _einsum("...ij,...iv->...jv", f["qk"], d_o_c)
-    d_s_local = _einsum("...ck,...cv->...kv", q_gated, d_o_c)
+    _, states = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 2, 0) for x in (w, u, k_last, decay)))
+    return jnp.moveaxis(states, 0, 2)
 
-    def state_grad_step(d_next, x):  # d S backwards; each chunk's d v' and the d S' it received
+
+def state_gradients_reference(d_v_local, d_s_local, w, k_last, decay, d_state):
+    """The backward's serial recurrence, from the last chunk: d v' = d v_local + (k exp(G_L - G)) d S',
+    d S = exp(G_L) d S' + d S_local - w^T d v'. Chunk-major inputs ([B, H, N, C, dv], [B, H, N, dk, dv],
+    w and k exp(G_L - G) [B, H, N, C, dk], exp(G_L) [B, H, N, dk]) and the final state's cotangent
+    [B, H, dk, dv]; returns (d v' [B, H, N, C, dv], the d S' each chunk received [B, H, N, dk, dv],
+    the initial state's d S [B, H, dk, dv])."""
+
+    def step(d_next, x):
         d_v_local_n, d_s_local_n, w_n, k_last_n, decay_n = x
         d_v_new = d_v_local_n + _einsum("...ck,...kv->...cv", k_last_n, d_next)
         d_s = decay_n[..., None] * d_next + d_s_local_n - _einsum("...ck,...cv->...kv", w_n, d_v_new)
         return d_s, (d_v_new, d_next)
 
-    d_state0, (d_v_new, d_next) = jax.lax.scan(
-        state_grad_step, d_state, (d_v_local, d_s_local, w, k_last, decay), reverse=True)
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (d_v_local, d_s_local, w, k_last, decay))
+    d_state0, (d_v_new, d_next) = jax.lax.scan(step, d_state, xs, reverse=True)
+    return jnp.moveaxis(d_v_new, 0, 2), jnp.moveaxis(d_next, 0, 2), d_state0
+
+
+def _chunked(x, c):
+    """[B, T, H, ...] -> [B, H, N, C, ...]."""
+    return jnp.moveaxis(to_chunks(x, c), 0, 2)
+
+
+def _backward(q, k, v, g, beta, state, d_o, d_state, c, states, state_gradients):
+    t = q.shape[1]
+    q_c, k_c, v_c, g_c, b_c, d_o_c = (_chunked(x, c) for x in (q, k, v, g, beta, d_o))  # [B, H, N, C, ..]
+    f = _chunk_terms(q_c, k_c, v_c, g_c, b_c)
+    w, u, k_last, q_gated, decay = f["w"], f["u"], f["k_last"], f["q_gated"], f["decay"]
+    if states is None:
+        states = chunk_states_reference(w, u, k_last, decay, state)
+    v_new = u - _einsum("...ck,...kv->...cv", w, states)
+    d_v_local = _einsum("...ij,...iv->...jv", f["qk"], d_o_c)
+    d_s_local = _einsum("...ck,...cv->...kv", q_gated, d_o_c)
+    d_v_new, d_next, d_state0 = state_gradients(d_v_local, d_s_local, w, k_last, decay, d_state)
 
     inverse, beta_v, beta_k, k_beta, cum = f["inverse"], f["beta_v"], f["beta_k"], f["k_beta"], f["cum"]
     d_qk = jnp.where(f["causal"], _einsum("...iv,...jv->...ij", d_o_c, v_new), 0.0)
@@ -188,4 +216,4 @@ def _backward(q, k, v, g, beta, state, d_o, d_state, c):
     d_g = jnp.flip(jnp.cumsum(jnp.flip(d_cum, -2), -2), -2)
     d_beta = (d_beta_v * v_c).sum(-1) + (d_k_beta * k_c).sum(-1)
     grads = (d_q, d_k, d_beta_v * b_c[..., None], d_g, d_beta)
-    return (*(from_chunks(x, t) for x in grads), d_state0)
+    return (*(from_chunks(jnp.moveaxis(x, 2, 0), t) for x in grads), d_state0)

@@ -55,7 +55,7 @@ class _Chain:
 
     def __init__(self, refs, scratch, barriers, *, n_chunks, o_products, multicast):
         (self.w_ref, self.u_hi_ref, self.u_lo_ref, self.qw_hi_ref, self.qw_lo_ref, self.au_hi_ref, self.au_lo_ref,
-         self.kd_hi_ref, self.kd_lo_ref, self.decay_ref, self.s0_ref, self.o_ref, self.s_ref) = refs
+         self.kd_hi_ref, self.kd_lo_ref, self.decay_ref, self.s0_ref, self.o_ref, self.s_ref, self.states_ref) = refs
         (self.w_s, self.qw_hi_s, self.qw_lo_s, self.kd_hi_s, self.kd_lo_s, self.u_hi_s, self.u_lo_s, self.au_hi_s,
          self.au_lo_s, self.s_halves, self.v_halves, self.o_s) = scratch
         self.arrived, self.consumed, self.values_arrived = barriers
@@ -110,6 +110,8 @@ def _chain_step(p, n, s):
 
     # exp(G_last) straight from HBM into registers (no SMEM), loaded early to hide the latency
     decay = load(p.decay_ref.at[p.b, p.h, n], ROW, optimized=False)
+    if p.states_ref is not None:  # the state entering the chunk, kept for the backward
+        p.states_ref.at[p.b, p.h, n, :, p.cols][...] = s
     plgpu.barrier_wait(p.arrived.at[slot])
     with jax.named_scope("v_new"):
         s_hi, s_lo = split(s)
@@ -155,14 +157,14 @@ def _chain_step(p, n, s):
 
 def _chain_kernel(
     w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
-    o_ref, s_ref,
-    w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, v_halves, o_s,
-    arrived, consumed, values_arrived,
-    *, n_chunks, o_products, multicast,
+    o_ref, s_ref, *rest, n_chunks, o_products, multicast, keep_states,
 ):
+    states_ref = rest[0] if keep_states else None
+    (w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, v_halves, o_s,
+     arrived, consumed, values_arrived) = rest[keep_states:]
     p = _Chain(
         (w_ref, u_hi_ref, u_lo_ref, qw_hi_ref, qw_lo_ref, au_hi_ref, au_lo_ref, kd_hi_ref, kd_lo_ref, decay_ref, s0_ref,
-         o_ref, s_ref),
+         o_ref, s_ref, states_ref),
         (w_s, qw_hi_s, qw_lo_s, kd_hi_s, kd_lo_s, u_hi_s, u_lo_s, au_hi_s, au_lo_s, s_halves, v_halves, o_s),
         (arrived, consumed, values_arrived),
         n_chunks=n_chunks, o_products=o_products, multicast=multicast,
@@ -194,7 +196,7 @@ def _check_options(dv, block_v, value_slots, o_products, multicast):
 
 def chain(
     w, u_hi, u_lo, qw_hi, qw_lo, au_hi, au_lo, kd_hi, kd_lo, decay, initial_state, *, out_dtype, block_v=BLOCK_V,
-    value_slots=2, o_products=None, multicast=False, interpret=False,
+    value_slots=2, o_products=None, multicast=False, keep_states=False, interpret=False,
 ):
     """(o [B, T', H, dv] in out_dtype, final state [B, H, dk, dv] fp32) from `prefill_intra_mosaic.intra`'s
     outputs and the fp32 initial state [B, H, dk, dv]. Each chunk's key tiles (w, q_w, k exp(G_last -
@@ -209,7 +211,8 @@ def chain(
     are always 3, so the state does not depend on it. `multicast`: the value blocks of a head run as
     one cluster and share each chunk's w, q_w and k exp(G_last - G) tiles (TMA multicast: one read
     from L2 per head rather than one per block), at the cost of a cluster barrier per chunk. `qw_lo`
-    may be None (`prefill_intra_mosaic.intra(qw_lo=False)`) with one or two o products."""
+    may be None (`prefill_intra_mosaic.intra(qw_lo=False)`) with one or two o products. `keep_states`:
+    also return the state entering every chunk [B, H, N, dk, dv] fp32 (for the backward)."""
     o_products = default_o_products(out_dtype) if o_products is None else o_products
     b, h, padded, dk = w.shape
     dv = u_hi.shape[-1]
@@ -219,10 +222,12 @@ def chain(
     if o_products == 3 and qw_lo is None:
         raise ValueError("o_products=3 multiplies q_w's lo half: qw_lo must be an array, got None")
     kernel = plgpu.kernel(
-        functools.partial(_chain_kernel, n_chunks=padded // c, o_products=o_products, multicast=multicast),
+        functools.partial(_chain_kernel, n_chunks=padded // c, o_products=o_products, multicast=multicast,
+                          keep_states=keep_states),
         out_type=(
             jax.ShapeDtypeStruct((b, padded, h, dv), out_dtype),
             jax.ShapeDtypeStruct((b, h, dk, dv), _F32),
+            *[jax.ShapeDtypeStruct((b, h, padded // c, dk, dv), _F32)] * keep_states,
         ),
         **(dict(grid=(h, b), grid_names=("h", "b"), cluster=(dv // block_v,), cluster_names=("v",)) if multicast
            else dict(grid=(dv // block_v, h, b), grid_names=("v", "h", "b"))),
@@ -291,14 +296,14 @@ def default_options(b, h, dv, out_dtype, *, block_v=None, value_slots=None, mult
 
 def chunk_scan(
     q, k, v, g, beta, initial_state, lengths, *, out_dtype, block_v=None, value_slots=None, o_products=None,
-    multicast=None, interpret=False,
+    multicast=None, keep_states=False, interpret=False,
 ):
     """The chunked KDA scan on the GPU: `prefill_intra_mosaic.intra`, then `chain`. q, k, v [B, T, H, d] bf16 (d in
     prefill_intra_mosaic.HEAD_DIMS), g [B, T, H, d] fp32, beta [B, T, H], `initial_state` fp32 [B, H, d, d],
     `lengths` int32 [B]. Returns o [B, T', H, d] in `out_dtype` (T' = T rounded up to whole chunks;
     rows past T are meaningless) and the final state. `block_v`, `value_slots` and `multicast` None
     are picked by `default_options`; `o_products` as in `chain`; q_w's lo half is computed only for
-    three."""
+    three. `keep_states` as in `chain`."""
     o_products = default_o_products(out_dtype) if o_products is None else o_products
     b, _, h, dv = v.shape
     block_v, value_slots, multicast = default_options(
@@ -310,5 +315,5 @@ def chunk_scan(
     )
     return chain(
         *parts, initial_state, out_dtype=out_dtype, block_v=block_v, value_slots=value_slots,
-        o_products=o_products, multicast=multicast, interpret=interpret,
+        o_products=o_products, multicast=multicast, keep_states=keep_states, interpret=interpret,
     )

@@ -18,7 +18,14 @@ from conftest import relative_error, traced_kernels
 from kernel_case import KernelCase
 
 from pallas_kernels import kda
-from pallas_kernels.kda import decode_fused_triton, decode_update_mosaic, prefill_chain_mosaic, prefill_intra_mosaic
+from pallas_kernels.kda import (
+    backward_chain_mosaic,
+    chunk_backward,
+    decode_fused_triton,
+    decode_update_mosaic,
+    prefill_chain_mosaic,
+    prefill_intra_mosaic,
+)
 
 TOLERANCE = 2e-3
 
@@ -505,21 +512,54 @@ class TestDecodeStep(KernelCase):
         return tuple(shapes[n] for n in names), dict(lower_bound=-5.0)
 
 
-def test_chunk_scan_differentiates_as_the_reference():
-    """jax.vjp through the Pallas scan (interpreted) against jax.vjp of the reference (its backward is
-    `kda_chunk_scan_backward`: the same gradients, rounded apart), on ragged lengths with an initial
-    state; cotangents for o and the final state."""
-    args = scan_inputs(41, 2, 70, 2, 64)
-    state = jax.random.normal(jax.random.key(42), (2, 2, 64, 64)) * 0.1
-    lengths = jnp.array([70, 33], jnp.int32)
-    d_o = jax.random.normal(jax.random.key(43), args[0].shape).astype(jnp.bfloat16).astype(jnp.float32)
-    d_state = jax.random.normal(jax.random.key(44), state.shape)
+class TestChunkScanBackward(KernelCase):
+    """jax.vjp through the Pallas scan (interpreted: intra, then the chain keeping every chunk's
+    entering state; backward: `backward_chain_mosaic`'s d S recurrence, the rest in XLA) against
+    jax.vjp of the reference, cotangents for o and the final state: one token; ragged sequences
+    across chunk edges (T not a multiple of the chunk, a length on a chunk boundary, one of a single
+    token) with an initial state; head dim 128 with every gate at the lower bound."""
 
-    def grads(implementation):
-        scan = lambda *x: kda.kda_chunk_scan(*x, lengths=lengths, implementation=implementation, interpret=True)  # noqa: E731
-        return jax.vjp(scan, *args, state)[1]((d_o, d_state))
+    cases = {
+        "one token": dict(b=1, t=1, h=1, d=64),
+        "ragged over chunk edges": dict(b=3, t=130, h=2, d=64, lengths=(130, 1, 64)),
+        "head dim 128, gates at the bound": dict(b=1, t=65, h=1, d=128, gate="lower_bound"),
+    }
+    kernels = {"kda_intra": 1, "kda_chain": 1, "kda_chain_backward": 1}
+    tolerance = 2e-4  # the backward's own arithmetic is fp32's; the states it takes carry the forward's tf32 scores
+    lowering_cases = {"the model's prefill": (dict(b=1, t=16384, h=16, d=128), ["mosaic_gpu_v2"] * 3)}
 
-    got, want = grads("pallas"), grads("reference")
-    for name, g, w in zip(["q", "k", "v", "g", "beta", "initial_state"], got, want, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype, name
-        assert relative_error(g, w) < 1e-5, (name, relative_error(g, w))
+    def inputs(self, key, b, t, h, d, lengths=None, gate="random"):
+        q, k, v, g, beta = scan_inputs(int(jax.random.randint(key, (), 0, 2**30)), b, t, h, d, gate=gate)
+        keys = jax.random.split(jax.random.fold_in(key, 1), 3)
+        state = 0.1 * jax.random.normal(keys[0], (b, h, d, d))
+        d_o, d_state = bf16_valued(jax.random.normal(keys[1], q.shape), jax.random.normal(keys[2], state.shape))
+        return (q, k, v, g, beta, state, d_o, d_state), dict(lengths=None if lengths is None else jnp.array(lengths))
+
+    def _vjp(self, q, k, v, g, beta, state, d_o, d_state, **kwargs):
+        scan = lambda *x: kda.kda_chunk_scan(*x, **kwargs)  # noqa: E731
+        return jax.vjp(scan, q, k, v, g, beta, state)[1]((d_o, d_state))
+
+    def kernel(self, *args, interpret=True, **kwargs):
+        return self._vjp(*args, implementation="pallas", interpret=interpret, **kwargs)
+
+    def reference(self, *args, **kwargs):
+        return self._vjp(*args, implementation="reference", **kwargs)
+
+    def lowering_args(self, b, t, h, d):
+        q, k, v, g, beta, s0, _ = prefill_chain_mosaic.scan_arg_shapes(b, t, h, d)
+        return (q, k, v, g, beta, s0, q, s0), {}
+
+
+@pytest.mark.parametrize("b, h, n, d, block_v", [(1, 1, 1, 64, 32), (2, 3, 3, 64, 64), (1, 2, 2, 128, 32)])
+def test_backward_chain_matches_its_reference(b, h, n, d, block_v):
+    """`backward_chain_mosaic.state_gradients` (interpreted) against `state_gradients_reference`: one
+    chunk; several sequences, heads and chunks in one value block; head dim 128 in four."""
+    ks = jax.random.split(jax.random.key(n * d + h), 6)
+    args = (jax.random.normal(ks[0], (b, h, n, 64, d)), jax.random.normal(ks[1], (b, h, n, d, d)),
+            0.1 * jax.random.normal(ks[2], (b, h, n, 64, d)), 0.1 * jax.random.normal(ks[3], (b, h, n, 64, d)),
+            jnp.exp(-jax.random.uniform(ks[4], (b, h, n, d))), jax.random.normal(ks[5], (b, h, d, d)))
+    got = backward_chain_mosaic.state_gradients(*args, block_v=block_v, interpret=True)
+    want = chunk_backward.state_gradients_reference(*args)
+    for name, a, w in zip(["d v'", "d S'", "d S0"], got, want, strict=True):
+        assert a.shape == w.shape and a.dtype == w.dtype, name
+        assert relative_error(a, w) < 2e-5, (name, relative_error(a, w))
