@@ -18,13 +18,13 @@ its term's gradient to G_i and takes it from G_j; d g is the reverse running sum
 chunk.
 
 Only two recurrences are serial, two [C, d] x [d, d] products a chunk each: the states entering the
-chunks ([B, H, N, dk, dv] fp32, the forward's if it kept them) and d S. Everything else runs over all chunks at
-once. The pairwise scores and their gradients never form the [C, C, dk] decays: the chunk's columns
-are taken 16 at a time, each block's decays factored through its first token r,
-exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), so a block is one product of the rows scaled by the
-first factor (at most 1 for i >= r; rows above r see none of the block and are zeroed) and its
-columns by the second (at most exp(15 |g|)). Exact while every gate g >= -5, the kernels' bound
-(exp(75) times dk stays finite in fp32).
+chunks ([B, H, N, dk, dv] fp32, the forward's if it kept them) and d S. Everything else runs over all
+chunks at once. The pairwise scores and their gradients never form the [C, C, dk] decays: the chunk's
+tokens are taken in blocks of 16 and each block of pairs is one product of its rows and columns scaled
+by the two factors of exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j). Below the diagonal blocks r is
+the column block's last token and both factors are at most 1; inside a diagonal block r is its first
+token and the columns' factor is at most exp(15 |g|): exact while every gate g >= -5, the kernels'
+bound (exp(75) times dk stays finite in fp32).
 """
 
 import jax
@@ -63,20 +63,18 @@ def kda_chunk_scan_backward(q, k, v, g, beta, initial_state, d_o, d_state, *, ch
 
 def _block_scales(g):
     """The factored decays of a chunk with gates g [.., C, d], its tokens in blocks of 16: below the
-    diagonal blocks, through each column block's last token e (rows_off [.., nb, C, d]: exp(G_i - G_e)
-    for i > e, zero above; cols_off [.., nb, 16, d]: exp(G_e - G_j) for the block's tokens j: both at
-    most 1); inside a diagonal block, through its first token s (rows_diag exp(G_i - G_s), at most 1;
-    cols_diag exp(G_s - G_j), at most exp(15 |g|)). Each exponent is summed from the gates between the
-    two tokens, never as a difference of the chunk's running sums (which grow to 64 |g| and would lose
-    its low bits)."""
+    diagonal blocks, through each column block b's last token e (below[b] [.., C - 16 (b + 1), d]:
+    exp(G_i - G_e) for the rows past the block; cols_off [.., nb, 16, d]: exp(G_e - G_j) for the
+    block's tokens j: both at most 1); inside a diagonal block, through its first token s (rows_diag
+    exp(G_i - G_s), at most 1; cols_diag exp(G_s - G_j), at most exp(15 |g|)). Each exponent is summed
+    from the gates between the two tokens, never as a difference of the chunk's running sums (which
+    grow to 64 |g| and would lose its low bits)."""
     c = g.shape[-2]
-    blocks = g.reshape(*g.shape[:-2], c // DECAY_BLOCK, DECAY_BLOCK, g.shape[-1])
+    blocks = _blocks(g)
     since_first = jnp.cumsum(blocks.at[..., 0, :].set(0.0), axis=-2)
-    ends = jnp.arange(DECAY_BLOCK - 1, c, DECAY_BLOCK)
-    past = (jnp.arange(c)[None, :] > ends[:, None])[..., None]  # [nb, C, 1]
-    since_end = jnp.cumsum(jnp.where(past, g[..., None, :, :], 0.0), axis=-2)
-    return dict(rows_off=jnp.where(past, jnp.exp(since_end), 0.0), cols_off=jnp.exp(_to_last(blocks)),
-                rows_diag=jnp.exp(since_first), cols_diag=jnp.exp(-since_first))
+    below = [jnp.exp(jnp.cumsum(g[..., top:, :], axis=-2)) for top in range(DECAY_BLOCK, c, DECAY_BLOCK)]
+    return dict(below=below, cols_off=jnp.exp(_to_last(blocks)), rows_diag=jnp.exp(since_first),
+                cols_diag=jnp.exp(-since_first))
 
 
 def _to_last(g):
@@ -89,40 +87,51 @@ def _blocks(x):
     return x.reshape(*x.shape[:-2], x.shape[-2] // DECAY_BLOCK, DECAY_BLOCK, x.shape[-1])
 
 
-def _factors(x, y, scales):
-    """x and y scaled by the decays' factors: (rows off the diagonal [.., nb, C, d], columns off it
-    [.., nb, 16, d], rows and columns of the diagonal blocks [.., nb, 16, d])."""
-    return (x[..., None, :, :] * scales["rows_off"], _blocks(y) * scales["cols_off"],
-            _blocks(x) * scales["rows_diag"], _blocks(y) * scales["cols_diag"])
+def _off_factors(x, y, scales, b):
+    """Column block b's rows below it and its columns, scaled by their decays' factors."""
+    top = (b + 1) * DECAY_BLOCK
+    return x[..., top:, :] * scales["below"][b], _blocks(y)[..., b, :, :] * scales["cols_off"][..., b, :, :]
 
 
 def _decayed_scores(x, y, scales):
-    """[.., C_i, C_j]: sum_d x_id y_jd exp(G_id - G_jd) for j at or below i (above: finite, for the
-    caller's mask). x, y [.., C, d]; scales from `_block_scales`."""
-    x_off, y_off, x_diag, y_diag = _factors(x, y, scales)
-    nb = y_off.shape[-3]
-    off = _einsum("...bid,...bjd->...ibj", x_off, y_off).reshape(*x.shape[:-2], nb, DECAY_BLOCK, nb, DECAY_BLOCK)
-    diag = _einsum("...aid,...ajd->...aij", x_diag, y_diag)
-    scores = off + diag[..., :, :, None, :] * jnp.eye(nb, dtype=diag.dtype)[:, None, :, None]
-    return scores.reshape(*x.shape[:-2], nb * DECAY_BLOCK, nb * DECAY_BLOCK)
+    """[.., C_i, C_j]: sum_d x_id y_jd exp(G_id - G_jd) for j at or below i (above: zero or finite, for
+    the caller's mask), a strip of 16 columns at a time. x, y [.., C, d]; scales from `_block_scales`."""
+    c = x.shape[-2]
+    diag = _einsum("...aid,...ajd->...aij", _blocks(x) * scales["rows_diag"], _blocks(y) * scales["cols_diag"])
+    strips = []
+    for b in range(c // DECAY_BLOCK):
+        parts = [jnp.zeros((*x.shape[:-2], b * DECAY_BLOCK, DECAY_BLOCK), x.dtype), diag[..., b, :, :]]
+        if (b + 1) * DECAY_BLOCK < c:
+            parts.append(_einsum("...id,...jd->...ij", *_off_factors(x, y, scales, b)))
+        strips.append(jnp.concatenate(parts, axis=-2))
+    return jnp.concatenate(strips, axis=-1)
 
 
 def _decayed_scores_vjp(d_scores, x, y, scales):
     """The gradients (d x, d y, d G) of `_decayed_scores`' masked sum for d_scores [.., C, C] zero where
     the mask drops a pair: d G takes each pair's term at its row and gives it back at its column."""
-    x_off, y_off, x_diag, y_diag = _factors(x, y, scales)
-    nb = y_off.shape[-3]
-    d_off = d_scores.reshape(*d_scores.shape[:-1], nb, DECAY_BLOCK)  # [.., C, nb, 16]
-    d_diag = jnp.moveaxis(jnp.diagonal(d_off.reshape(*d_off.shape[:-3], nb, DECAY_BLOCK, nb, DECAY_BLOCK),
-                                       axis1=-4, axis2=-2), -1, -3)  # [.., nb, 16, 16]
-    d_x_off = _einsum("...ibj,...bjd->...bid", d_off, y_off)  # zero weight above each block: rows_off
-    d_y_off = _einsum("...ibj,...bid->...bjd", d_off, x_off)
+    nb = x.shape[-2] // DECAY_BLOCK
+    x_diag, y_diag = _blocks(x) * scales["rows_diag"], _blocks(y) * scales["cols_diag"]
+    d_diag = jnp.stack([d_scores[..., b * DECAY_BLOCK:(b + 1) * DECAY_BLOCK, b * DECAY_BLOCK:(b + 1) * DECAY_BLOCK]
+                        for b in range(nb)], axis=-3)  # [.., nb, 16, 16]
     d_x_diag = _einsum("...aij,...ajd->...aid", d_diag, y_diag)
     d_y_diag = _einsum("...aij,...aid->...ajd", d_diag, x_diag)
-    d_x = (d_x_off * scales["rows_off"]).sum(-3) + (d_x_diag * scales["rows_diag"]).reshape(x.shape)
-    d_y = (d_y_off * scales["cols_off"] + d_y_diag * scales["cols_diag"]).reshape(y.shape)
-    d_cum = ((d_x_off * x_off).sum(-3) + (d_x_diag * x_diag).reshape(x.shape)
-             - (d_y_off * y_off + d_y_diag * y_diag).reshape(y.shape))
+    d_x = (d_x_diag * scales["rows_diag"]).reshape(x.shape)
+    d_cum_rows = (d_x_diag * x_diag).reshape(x.shape)
+    d_y_off, d_cum_off = [], []
+    for b in range(nb - 1):
+        top = (b + 1) * DECAY_BLOCK
+        x_off, y_off = _off_factors(x, y, scales, b)
+        d_strip = d_scores[..., top:, b * DECAY_BLOCK:top]
+        d_x_off = _einsum("...ij,...jd->...id", d_strip, y_off)
+        d_y_off_b = _einsum("...ij,...id->...jd", d_strip, x_off)
+        d_x = d_x.at[..., top:, :].add(d_x_off * scales["below"][b])
+        d_cum_rows = d_cum_rows.at[..., top:, :].add(d_x_off * x_off)
+        d_y_off.append(d_y_off_b * scales["cols_off"][..., b, :, :])
+        d_cum_off.append(d_y_off_b * y_off)
+    zeros = [jnp.zeros_like(y[..., :DECAY_BLOCK, :])]  # the last block has no rows below it
+    d_y = (d_y_diag * scales["cols_diag"]).reshape(y.shape) + jnp.concatenate(d_y_off + zeros, axis=-2)
+    d_cum = d_cum_rows - (d_y_diag * y_diag).reshape(y.shape) - jnp.concatenate(d_cum_off + zeros, axis=-2)
     return d_x, d_y, d_cum
 
 
