@@ -348,3 +348,17 @@ def test_kernel_differentiates_as_the_reference(config):
     for g, w in zip(grads("pallas"), grads("reference"), strict=True):
         assert g.dtype == w.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_reference_gradient_keeps_no_sequence_of_scores():
+    """Differentiated, the reference recomputes each block of queries (`map_query_blocks` checkpoints
+    its blocks): its gradient's temporaries stay below the [H, T, S] fp32 scores of the whole
+    sequence (32 MiB here; 16 blocks of them were kept before)."""
+    b, t, h, r, w = 1, 4096, 2, 64, 64
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, t, h, r))
+    latents = jax.random.normal(keys[1], (b, t, r))
+    indices = jax.random.randint(keys[2], (b, t, w), 0, t)
+    loss = lambda q, c: la.sparse_latent_attention_reference(q, c, indices, scale=r**-0.5).sum()  # noqa: E731
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, latents).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < h * t * t * 4 / 2
