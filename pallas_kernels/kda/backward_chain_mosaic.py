@@ -27,11 +27,6 @@ _F32 = jnp.float32
 SLOTS = 2  # the previous chunk's tiles come in while this one's are worked on
 
 
-def _halves(x):
-    hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(_F32)).astype(jnp.bfloat16)
-
-
 def _backward_kernel(
     k_last_hi_ref, k_last_lo_ref, w_hi_ref, w_lo_ref, dv_hi_ref, dv_lo_ref, ds_hi_ref, ds_lo_ref, decay_ref,
     d_state_ref,
@@ -128,7 +123,7 @@ def state_gradients(d_v_local, d_s_local, w, k_last, decay, d_state, *, block_v=
         kernel_name="kda_chain_backward",
     )
     d_v, d_next, d_state0 = kernel(
-        *_halves(tokens(k_last)), *_halves(tokens(w)), *_halves(tokens(d_v_local)), *_halves(d_s_local),
+        *split(tokens(k_last)), *split(tokens(w)), *split(tokens(d_v_local)), *split(d_s_local),
         decay.astype(_F32), d_state.astype(_F32),
     )
     return d_v.reshape(d_v_local.shape), d_next, d_state0
