@@ -35,6 +35,9 @@ from pallas_kernels.common import HIGHEST
 from pallas_kernels.kda.reference import _prepare, from_chunks, to_chunks
 
 DECAY_BLOCK = 16  # columns whose decays share a reference token
+# Chunks (of all sequences and heads) a group of the chunk-parallel passes takes: each fp32 [C, d]
+# term of a group is 32 MiB at C = 64, d = 128.
+GROUP_CHUNKS = 1024
 
 
 def _einsum(spec, *xs):
@@ -192,19 +195,60 @@ def _chunked(x, c):
     return jnp.moveaxis(to_chunks(x, c), 0, 2)
 
 
-def _backward(q, k, v, g, beta, state, d_o, d_state, c, states, state_gradients):
-    t = q.shape[1]
-    q_c, k_c, v_c, g_c, b_c, d_o_c = (_chunked(x, c) for x in (q, k, v, g, beta, d_o))  # [B, H, N, C, ..]
-    f = _chunk_terms(q_c, k_c, v_c, g_c, b_c)
-    w, u, k_last, q_gated, decay = f["w"], f["u"], f["k_last"], f["q_gated"], f["decay"]
-    if states is None:
-        states = chunk_states_reference(w, u, k_last, decay, state)
-    v_new = u - _einsum("...ck,...kv->...cv", w, states)
-    d_v_local = _einsum("...ij,...iv->...jv", f["qk"], d_o_c)
-    d_s_local = _einsum("...ck,...cv->...kv", q_gated, d_o_c)
-    d_v_new, d_next, d_state0 = state_gradients(d_v_local, d_s_local, w, k_last, decay, d_state)
+def _groups(n_chunks, heads):
+    """How many groups the chunk-parallel passes take the N chunks in (a divisor of N): the fewest
+    that hold at most GROUP_CHUNKS chunks of all sequences and heads each."""
+    for groups in range(1, n_chunks + 1):
+        if n_chunks % groups == 0 and heads * n_chunks // groups <= GROUP_CHUNKS:
+            return groups
+    return n_chunks
 
+
+def _over_groups(fn, token_xs, chunk_xs, groups, c, *, out_tokens):
+    """fn(token slices, chunk slices) over `groups` equal runs of chunks, one after another: token_xs
+    [B, T, ..] sliced on T by whole chunks of c tokens, chunk_xs [B, H, N, ..] on N; fn's results
+    (token-major [B, T, ..] if out_tokens, else chunk-major [B, H, N, ..]) written into arrays of all
+    chunks. A run's temporaries are all that is live."""
+    if groups == 1:
+        return fn(token_xs, chunk_xs)
+    size = token_xs[0].shape[1] // c // groups
+
+    def take(i):
+        return (tuple(jax.lax.dynamic_slice_in_dim(x, i * size * c, size * c, axis=1) for x in token_xs),
+                tuple(jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=2) for x in chunk_xs))
+
+    axis, step = (1, size * c) if out_tokens else (2, size)
+    shapes = jax.eval_shape(fn, *take(0))
+    outs = jax.tree.map(lambda y: jnp.zeros((*y.shape[:axis], step * groups, *y.shape[axis + 1:]), y.dtype), shapes)
+
+    def group(i, outs):
+        return jax.tree.map(lambda out, y: jax.lax.dynamic_update_slice_in_dim(out, y, i * step, axis=axis), outs,
+                            fn(*take(i)))
+
+    return jax.lax.fori_loop(0, groups, group, outs)
+
+
+def _serial_inputs(xs, c, with_u):
+    """What the serial recurrences take from a run of chunks (q, k, v, g, beta, d o token-major),
+    chunk-major."""
+    q_c, k_c, v_c, g_c, b_c, d_o_c = (_chunked(x, c) for x in xs)
+    f = _chunk_terms(q_c, k_c, v_c, g_c, b_c)
+    terms = dict(w=f["w"], k_last=f["k_last"], decay=f["decay"],
+                 d_v_local=_einsum("...ij,...iv->...jv", f["qk"], d_o_c),
+                 d_s_local=_einsum("...ck,...cv->...kv", f["q_gated"], d_o_c))
+    return dict(terms, u=f["u"]) if with_u else terms
+
+
+def _chunk_gradients(xs, chunk_xs, c):
+    """A run of chunks' (d q, d k, d v, d g, d beta), token-major, from its inputs (token-major), the
+    states entering its chunks, its d v' and the d S' each chunk received (chunk-major); its forward
+    terms recomputed."""
+    q_c, k_c, v_c, g_c, b_c, d_o_c = (_chunked(x, c) for x in xs)
+    states, d_v_new, d_next = chunk_xs
+    f = _chunk_terms(q_c, k_c, v_c, g_c, b_c)
     inverse, beta_v, beta_k, k_beta, cum = f["inverse"], f["beta_v"], f["beta_k"], f["k_beta"], f["cum"]
+    k_last, q_gated = f["k_last"], f["q_gated"]
+    v_new = f["u"] - _einsum("...ck,...kv->...cv", f["w"], states)
     d_qk = jnp.where(f["causal"], _einsum("...iv,...jv->...ij", d_o_c, v_new), 0.0)
     d_w = -_einsum("...cv,...kv->...ck", d_v_new, states)
     d_q_gated = _einsum("...cv,...kv->...ck", d_o_c, states)
@@ -220,9 +264,24 @@ def _backward(q, k, v, g, beta, state, d_o, d_state, c, states, state_gradients)
     d_k = d_k_lower + d_k_qk + d_k_last * f["to_last"] + d_k_beta * b_c[..., None]
     d_q = d_q_pairs + d_q_gated * jnp.exp(cum)
     d_cum = d_cum_lower + d_cum_qk + d_q_gated * q_gated + d_beta_k * beta_k - d_k_last * k_last
-    d_last = (d_k_last * k_last).sum(-2) + decay * (states * d_next).sum(-1)
+    d_last = (d_k_last * k_last).sum(-2) + f["decay"] * (states * d_next).sum(-1)
     d_cum = d_cum.at[..., -1, :].add(d_last)
     d_g = jnp.flip(jnp.cumsum(jnp.flip(d_cum, -2), -2), -2)
     d_beta = (d_beta_v * v_c).sum(-1) + (d_k_beta * k_c).sum(-1)
     grads = (d_q, d_k, d_beta_v * b_c[..., None], d_g, d_beta)
-    return (*(from_chunks(jnp.moveaxis(x, 2, 0), t) for x in grads), d_state0)
+    return tuple(from_chunks(jnp.moveaxis(x, 2, 0), xs[0].shape[1]) for x in grads)
+
+
+def _backward(q, k, v, g, beta, state, d_o, d_state, c, states, state_gradients):
+    t = q.shape[1]
+    n = -(-t // c)
+    xs = tuple(jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta, d_o))
+    groups = _groups(n, q.shape[0] * q.shape[2])
+    s = _over_groups(lambda x, _: _serial_inputs(x, c, with_u=states is None), xs, (), groups, c, out_tokens=False)
+    if states is None:
+        states = chunk_states_reference(s["w"], s["u"], s["k_last"], s["decay"], state)
+    d_v_new, d_next, d_state0 = state_gradients(s["d_v_local"], s["d_s_local"], s["w"], s["k_last"], s["decay"],
+                                                d_state)
+    grads = _over_groups(lambda x, y: _chunk_gradients(x, y, c), xs, (states, d_v_new, d_next), groups, c,
+                         out_tokens=True)
+    return (*(x[:, :t] for x in grads), d_state0)

@@ -9,6 +9,7 @@ import pytest
 from conftest import relative_error
 
 from pallas_kernels import kda
+from pallas_kernels.kda import chunk_backward
 
 
 def random_inputs(key, b, t, h, d, *, gate="random", dtype=jnp.float32):
@@ -203,3 +204,18 @@ def test_chunked_reference_gradients_check_numerically():
         return jnp.sum(o * jnp.cos(o)) + jnp.sum(final**2)
 
     jax.test_util.check_grads(scan, (q, k, v, g, beta, state), order=1, modes=["rev"], atol=5e-2, rtol=5e-2, eps=1e-2)
+
+
+def test_hand_derived_backward_in_groups_of_chunks(monkeypatch):
+    """The backward's chunk-parallel passes taken a group of chunks at a time (GROUP_CHUNKS small:
+    three groups of one chunk of all 6 sequences and heads) give the gradients of one pass over all."""
+    q, k, v, g, beta = random_inputs(jax.random.key(5), 2, 150, 3, 32)
+    state = 0.1 * jax.random.normal(jax.random.key(6), (2, 3, 32, 32))
+    d_o, d_state = jax.random.normal(jax.random.key(7), q.shape), jax.random.normal(jax.random.key(8), state.shape)
+    lengths = jnp.array([150, 97], jnp.int32)
+    backward = lambda: kda.kda_chunk_scan_backward(q, k, v, g, beta, state, d_o, d_state, lengths=lengths)  # noqa: E731
+    whole = backward()
+    monkeypatch.setattr(chunk_backward, "GROUP_CHUNKS", 6)
+    assert chunk_backward._groups(3, 6) == 3
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], backward(), whole, strict=True):
+        assert relative_error(a, b) < 1e-6, (name, relative_error(a, b))
