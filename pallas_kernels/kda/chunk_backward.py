@@ -18,8 +18,10 @@ its term's gradient to G_i and takes it from G_j; d g is the reverse running sum
 chunk.
 
 Only two recurrences are serial, two [C, d] x [d, d] products a chunk each: the states entering the
-chunks ([B, H, N, dk, dv] fp32, the forward's if it kept them) and d S. Everything else runs over all
-chunks at once. The pairwise scores and their gradients never form the [C, C, dk] decays: the chunk's
+chunks ([B, H, N, dk, dv] fp32, the forward's if it kept them) and d S. Everything else runs over many
+chunks at once, a run of up to GROUP_CHUNKS of them (of all sequences and heads) at a time: a first
+pass gives the recurrences their inputs, a second recomputes each run's forward terms for its
+gradients, so only one run's terms are ever live. The pairwise scores and their gradients never form the [C, C, dk] decays: the chunk's
 tokens are taken in blocks of 16 and each block of pairs is one product of its rows and columns scaled
 by the two factors of exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j). Below the diagonal blocks r is
 the column block's last token and both factors are at most 1; inside a diagonal block r is its first
