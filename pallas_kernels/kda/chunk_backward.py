@@ -18,15 +18,17 @@ its term's gradient to G_i and takes it from G_j; d g is the reverse running sum
 chunk.
 
 Only two recurrences are serial, two [C, d] x [d, d] products a chunk each: the states entering the
-chunks ([B, H, N, dk, dv] fp32, the forward's if it kept them) and d S. Everything else runs over many
-chunks at once, a run of up to GROUP_CHUNKS of them (of all sequences and heads) at a time: a first
-pass gives the recurrences their inputs, a second recomputes each run's forward terms for its
-gradients, so only one run's terms are ever live. The pairwise scores and their gradients never form the [C, C, dk] decays: the chunk's
-tokens are taken in blocks of 16 and each block of pairs is one product of its rows and columns scaled
-by the two factors of exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j). Below the diagonal blocks r is
-the column block's last token and both factors are at most 1; inside a diagonal block r is its first
-token and the columns' factor is at most exp(15 |g|): exact while every gate g >= -5, the kernels'
-bound (exp(75) times dk stays finite in fp32).
+chunks ([B, H, N, dk, dv] fp32, the forward's if it kept them) and d S. Everything else runs over
+many chunks at once, a run of up to GROUP_CHUNKS of them (of all sequences and heads) at a time: a
+first pass gives the recurrences their inputs, a second recomputes each run's forward terms for its
+gradients, so only one run's terms are ever live (each run prepares its own inputs, q and k
+normalised, and hands back its gradients in the caller's dtypes). The pairwise scores and their
+gradients never form the [C, C, dk] decays: the chunk's tokens are taken in blocks of 16 and each
+block of pairs is one product of its rows and columns scaled by the two factors of exp(G_i - G_j) =
+exp(G_i - G_r) exp(G_r - G_j). Below the diagonal blocks r is the column block's last token and both
+factors are at most 1; inside a diagonal block r is its first token and the columns' factor is at
+most exp(15 |g|): exact while every gate g >= -5, the kernels' bound (exp(75) times dk stays finite
+in fp32).
 """
 
 import jax
@@ -58,12 +60,14 @@ def kda_chunk_scan_backward(q, k, v, g, beta, initial_state, d_o, d_state, *, ch
     (`backward_chain_mosaic.state_gradients`). Each gradient in its input's dtype."""
     if chunk_size % DECAY_BLOCK:
         raise ValueError(f"chunk_size must be a multiple of {DECAY_BLOCK}, got {chunk_size}")
-    prepared, prepare_vjp = jax.vjp(lambda *x: _prepare(*x, lengths), q, k, v, g, beta,
-                                    jnp.zeros((*q.shape[:1], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-                                    if initial_state is None else initial_state)
-    grads = _backward(*prepared, d_o.astype(jnp.float32), d_state.astype(jnp.float32), chunk_size, states,
-                      state_gradients or state_gradients_reference)
-    return prepare_vjp(grads)
+    b, t = q.shape[:2]
+    n = -(-t // chunk_size)
+    raw = tuple(jnp.pad(x, [(0, 0), (0, n * chunk_size - t)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta, d_o))
+    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    state = jnp.zeros((b, q.shape[2], q.shape[3], v.shape[3]), jnp.float32) if initial_state is None else initial_state
+    grads, d_state0 = _backward(raw, lengths, state.astype(jnp.float32), d_state.astype(jnp.float32), chunk_size,
+                                states, state_gradients or state_gradients_reference)
+    return (*(x[:, :t] for x in grads), d_state0.astype(state.dtype))
 
 
 def _block_scales(g):
@@ -207,33 +211,35 @@ def _groups(n_chunks, heads):
 
 
 def _over_groups(fn, token_xs, chunk_xs, groups, c, *, out_tokens):
-    """fn(token slices, chunk slices) over `groups` equal runs of chunks, one after another: token_xs
-    [B, T, ..] sliced on T by whole chunks of c tokens, chunk_xs [B, H, N, ..] on N; fn's results
-    (token-major [B, T, ..] if out_tokens, else chunk-major [B, H, N, ..]) written into arrays of all
-    chunks. A run's temporaries are all that is live."""
+    """fn(token slices, chunk slices, first token) over `groups` equal runs of chunks, one after
+    another: token_xs [B, T, ..] sliced on T by whole chunks of c tokens, chunk_xs [B, H, N, ..] on N;
+    fn's results (token-major [B, T, ..] if out_tokens, else chunk-major [B, H, N, ..]) joined into
+    arrays of all chunks. A run's temporaries are all that is live."""
     if groups == 1:
-        return fn(token_xs, chunk_xs)
+        return fn(token_xs, chunk_xs, 0)
     size = token_xs[0].shape[1] // c // groups
 
     def take(i):
         return (tuple(jax.lax.dynamic_slice_in_dim(x, i * size * c, size * c, axis=1) for x in token_xs),
-                tuple(jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=2) for x in chunk_xs))
+                tuple(jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=2) for x in chunk_xs), i * size * c)
 
-    axis, step = (1, size * c) if out_tokens else (2, size)
-    shapes = jax.eval_shape(fn, *take(0))
-    outs = jax.tree.map(lambda y: jnp.zeros((*y.shape[:axis], step * groups, *y.shape[axis + 1:]), y.dtype), shapes)
-
-    def group(i, outs):
-        return jax.tree.map(lambda out, y: jax.lax.dynamic_update_slice_in_dim(out, y, i * step, axis=axis), outs,
-                            fn(*take(i)))
-
-    return jax.lax.fori_loop(0, groups, group, outs)
+    axis = 1 if out_tokens else 2
+    stacked = jax.lax.map(lambda i: fn(*take(i)), jnp.arange(groups))  # [groups, .., run, ..]
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, axis).reshape(*y.shape[1:axis + 1], -1, *y.shape[axis + 2:]),
+                        stacked)
 
 
-def _serial_inputs(xs, c, with_u):
-    """What the serial recurrences take from a run of chunks (q, k, v, g, beta, d o token-major),
-    chunk-major."""
-    q_c, k_c, v_c, g_c, b_c, d_o_c = (_chunked(x, c) for x in xs)
+def _prepared(raw, lengths, start):
+    """A run of tokens' inputs (q, k, v, g, beta as the caller gave them, from token `start`) as the
+    scan uses them (`_prepare`: fp32, q and k normalised, tokens past each length inert)."""
+    return _prepare(*raw, None, lengths - start)[:5]
+
+
+def _serial_inputs(raw, c, lengths, start, with_u):
+    """What the serial recurrences take from a run of chunks (the caller's q, k, v, g, beta and d o,
+    token-major), chunk-major."""
+    q_c, k_c, v_c, g_c, b_c, d_o_c = (_chunked(x, c) for x in (*_prepared(raw[:5], lengths, start),
+                                                                raw[5].astype(jnp.float32)))
     f = _chunk_terms(q_c, k_c, v_c, g_c, b_c)
     terms = dict(w=f["w"], k_last=f["k_last"], decay=f["decay"],
                  d_v_local=_einsum("...ij,...iv->...jv", f["qk"], d_o_c),
@@ -241,9 +247,16 @@ def _serial_inputs(xs, c, with_u):
     return dict(terms, u=f["u"]) if with_u else terms
 
 
+def _run_gradients(raw, chunk_xs, c, lengths, start):
+    """A run of chunks' (d q, d k, d v, d g, d beta), token-major in the caller's dtypes, from its
+    inputs as the caller gave them (token-major), the states entering its chunks, its d v' and the d S'
+    each chunk received (chunk-major)."""
+    prepared, prepare_vjp = jax.vjp(lambda *x: _prepared(x, lengths, start), *raw[:5])
+    return prepare_vjp(_chunk_gradients((*prepared, raw[5].astype(jnp.float32)), chunk_xs, c))
+
+
 def _chunk_gradients(xs, chunk_xs, c):
-    """A run of chunks' (d q, d k, d v, d g, d beta), token-major, from its inputs (token-major), the
-    states entering its chunks, its d v' and the d S' each chunk received (chunk-major); its forward
+    """(d q, d k, d v, d g, d beta) of the prepared inputs, token-major, of a run of chunks: its forward
     terms recomputed."""
     q_c, k_c, v_c, g_c, b_c, d_o_c = (_chunked(x, c) for x in xs)
     states, d_v_new, d_next = chunk_xs
@@ -274,16 +287,18 @@ def _chunk_gradients(xs, chunk_xs, c):
     return tuple(from_chunks(jnp.moveaxis(x, 2, 0), xs[0].shape[1]) for x in grads)
 
 
-def _backward(q, k, v, g, beta, state, d_o, d_state, c, states, state_gradients):
-    t = q.shape[1]
-    n = -(-t // c)
-    xs = tuple(jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta, d_o))
-    groups = _groups(n, q.shape[0] * q.shape[2])
-    s = _over_groups(lambda x, _: _serial_inputs(x, c, with_u=states is None), xs, (), groups, c, out_tokens=False)
+def _backward(raw, lengths, state, d_state, c, states, state_gradients):
+    """(the gradients of the caller's q, k, v, g, beta over whole chunks, d initial state) from the
+    caller's inputs and d o padded to whole chunks (`raw`)."""
+    b, t, h = raw[0].shape[:3]
+    n = t // c
+    groups = _groups(n, b * h)
+    s = _over_groups(lambda x, _, start: _serial_inputs(x, c, lengths, start, with_u=states is None), raw, (),
+                     groups, c, out_tokens=False)
     if states is None:
         states = chunk_states_reference(s["w"], s["u"], s["k_last"], s["decay"], state)
     d_v_new, d_next, d_state0 = state_gradients(s["d_v_local"], s["d_s_local"], s["w"], s["k_last"], s["decay"],
                                                 d_state)
-    grads = _over_groups(lambda x, y: _chunk_gradients(x, y, c), xs, (states, d_v_new, d_next), groups, c,
-                         out_tokens=True)
-    return (*(x[:, :t] for x in grads), d_state0)
+    grads = _over_groups(lambda x, y, start: _run_gradients(x, y, c, lengths, start), raw, (states, d_v_new, d_next),
+                         groups, c, out_tokens=True)
+    return grads, d_state0
