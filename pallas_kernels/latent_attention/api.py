@@ -22,9 +22,11 @@ slot. The kernel counts a repeated index once only when `distinct_indices` is Fa
 marking repeats empty before the launch (a sort of each row); the model's selections are distinct by
 construction (whole disjoint pools and the tail after them) and say so.
 
-The kernels differentiate (`jax.grad`) in q_lat and the latents: the backward recomputes the
-reference and takes its vjp in XLA (no backward kernel yet); the indices, the pages and an fp8
-cache's scales get no gradient.
+The kernels differentiate (`jax.grad`) in q_lat and the latents through
+`sparse_latent_attention_backward` (`backward.py`): blocks of queries gather their selected rows
+again and scatter-add the rows' gradients, in XLA, FLOPs and bytes in W as the forward's (no
+backward kernel yet). The reference differentiates by autodiff (dense scores, a block of queries at a
+time). The indices, the pages and an fp8 cache's scales get no gradient.
 """
 
 import functools
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import pick_implementation
 from pallas_kernels.latent_attention import sparse_attend_mosaic, sparse_attend_triton
+from pallas_kernels.latent_attention.backward import sparse_latent_attention_backward
 from pallas_kernels.latent_attention.reference import sparse_latent_attention_reference
 from pallas_kernels.latent_attention.sparse_attend_mosaic import MosaicConfig
 from pallas_kernels.latent_attention.sparse_attend_triton import LATENT_DIMS, KernelConfig
@@ -119,10 +122,11 @@ def _kernel_attention_fwd(q_lat, latents, indices, latent_scales, page_table, op
 
 def _kernel_attention_bwd(options, residuals, d_out):
     q_lat, latents, indices, latent_scales, page_table = residuals
-    attend = lambda q, c: sparse_latent_attention_reference(  # noqa: E731
-        q, c, indices, scale=options[0], latent_scales=latent_scales, page_table=page_table)
-    _, vjp = jax.vjp(attend, q_lat, latents)
-    return (*vjp(d_out), None, None, None)
+    scale, _, distinct_indices, _ = options
+    d_q, d_latents = sparse_latent_attention_backward(
+        q_lat, latents, indices, d_out, scale=scale, latent_scales=latent_scales, page_table=page_table,
+        distinct_indices=distinct_indices)
+    return d_q, d_latents, None, None, None
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)

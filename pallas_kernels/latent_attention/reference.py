@@ -9,7 +9,7 @@ from pallas_kernels.common import HIGHEST, map_query_blocks
 QUERY_BLOCK = 256
 
 
-def _sequence_latents(q_lat, latents, latent_scales, page_table):
+def sequence_latents(q_lat, latents, latent_scales, page_table):
     """Each sequence's latents [B, S, R] as the attention uses them: scaled, rounded to q_lat's dtype."""
     if page_table is not None:
         b = page_table.shape[0]
@@ -30,7 +30,7 @@ def sparse_latent_attention_reference(q_lat, latents, indices, *, scale, latent_
     Queries are processed in blocks so the [H, T, S] score matrix is never whole.
     """
     b = q_lat.shape[0]
-    keys = _sequence_latents(q_lat, latents, latent_scales, page_table).astype(jnp.float32)
+    keys = sequence_latents(q_lat, latents, latent_scales, page_table).astype(jnp.float32)
     s = keys.shape[1]
 
     def attend(xs):
