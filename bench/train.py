@@ -11,17 +11,24 @@
      `lax.ragged_dot` (1024 tokens and fewer);
    - d_rhs, the weights' gradient x^T d_out per expert: ours (`moe_gemm.expert_outer_products`), jla's
      `transposed_ragged_dot`, XLA's ragged dot transposed (1024 tokens and fewer);
-3. a training step (`train.train_step`, AdamW, bf16 train-form parameters, through the kernels) of
+3. DSA's latent attention forward + backward (`jax.grad` of <o, do> in q_lat and the latents through
+   `latent_attention.sparse_latent_attention`: the Triton and the Mosaic GPU kernels forward, the
+   gradient over the selection in XLA) at GLM-5.3's 64 heads, R = 512 and W = 2048 selected, beside
+   the dense reference's gradient where it fits (4096 tokens);
+4. a training step (`train.train_step`, AdamW, bf16 train-form parameters, through the kernels) of
    bench.model_gpu's wider MoE config, in tokens/s and model FLOPs utilisation.
 
-    python -m bench.train [--skip kda,gemm,step] [--tokens 1024,8192] [--step-batch 4x4096] [--no-peers]
+    python -m bench.train [--skip kda,gemm,latent,step] [--tokens 1024,8192] [--step-batch 4x4096] [--no-peers]
         [--results bench/results.jsonl]
 
 Rows: op `kda_train`, shape `B=1 T=16384 H=16 D=128` (peers `jla kda`, `fla chunk_kda`); op
 `moe_gemm_bwd`, shape `d_lhs <gemm> K=.. N=.., <tokens> tokens` and `d_rhs ...`, the roofline
 max(FLOPs / `common.MATMUL`, bytes / `common.HBM`), d_lhs's bytes the used experts' weights and the
 rows in and out, d_rhs's every expert's gradient written (zeros for the unused) and the rows read,
-errors max|d| / max|ref| against fp32 products over 8 sampled experts; op `train_step`, whose
+errors max|d| / max|ref| against fp32 products over 8 sampled experts; op `latent_attention_train`,
+shape `B=1 T=.. H=64 R=512 W=2048`, roofline max(FLOPs / `common.MATMUL`, bytes / `common.HBM`) with
+the forward's 2 and the backward's 5 products of 2 H W R FLOPs a query and the bytes of the rows
+gathered twice (bf16) and their gradients added into fp32 (read and written); op `train_step`, whose
 roofline is the step's model FLOPs at `TRAIN_PEAK` (989 TFLOP/s dense bf16), so that MFU = roofline
 / ours: model FLOPs = 6 x the matmul parameters a token uses (the routed experts' k / E of theirs,
 lm_head included, the embedding table not) x tokens, the attention's and KDA's products over the
@@ -89,6 +96,51 @@ def bench_kda_train(skip_peers, results):
                         peers={label: ms for label, (ms, _) in timed.items() if label != "ours"},
                         implementation="kda.kda_chunk_scan (its backward: kda.kda_chunk_scan_backward in XLA)",
                         peak_extra_mib={label: memory for label, (_, memory) in timed.items()})
+
+
+LATENT_SHAPES = [(1, 4096, 64, 512, 2048), (1, 16384, 64, 512, 2048)]
+
+
+def bench_latent_train(results):
+    """Forward + backward of the latent attention over a causal random selection: ours (each forward
+    kernel, the XLA gradient over the selection) and the dense reference's gradient at 4096 tokens."""
+    from pallas_kernels import latent_attention as la
+
+    log("\n| shape | implementation | fwd + bwd ms | temporaries MiB |")
+    log("| --- | --- | --- | --- |")
+    for b, t, h, r, w in LATENT_SHAPES:
+        shape = f"B={b} T={t} H={h} R={r} W={w}"
+        keys = jax.random.split(jax.random.key(t), 4)
+        q = jax.random.normal(keys[0], (b, t, h, r), jnp.bfloat16)
+        latents = jax.random.normal(keys[1], (b, t, r), jnp.bfloat16)
+        # W distinct earlier tokens a query (fewer, -1 padded, for the first W): a causal selection
+        offsets = jax.random.randint(keys[2], (b, t, w), 0, 2**30) % jnp.maximum(jnp.arange(t)[None, :, None], 1)
+        indices = jnp.where(jnp.arange(w) < jnp.arange(t)[None, :, None], offsets, -1)
+        indices = jnp.sort(indices, axis=-1).astype(jnp.int32)
+        d_out = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+        runs = {"triton": dict(implementation="pallas"), "mosaic": dict(implementation="pallas", config=la.MosaicConfig())}
+        if t <= 4096:
+            runs["reference"] = dict(implementation="reference")
+        timed = {}
+        for label, kwargs in runs.items():
+            try:
+                attend = functools.partial(la.sparse_latent_attention, scale=256**-0.5, **kwargs)
+                grads = jax.jit(jax.grad(lambda q, c, i, d: jnp.sum(attend(q, c, i).astype(jnp.float32) * d), argnums=(0, 1)))
+                memory = grads.lower(q, latents, indices, d_out).compile().memory_analysis().temp_size_in_bytes / 2**20
+                timed[label] = (dispatched_ms(grads, q, latents, indices, d_out, n=5, reps=3), memory)
+                log(f"| {shape} | {label} | {timed[label][0]:.3f} | {memory:.0f} |")
+            except Exception as e:
+                log(f"| {shape} | {label} | failed: {type(e).__name__}: {str(e)[:160]} | |")
+        flops = 7 * 2 * h * w * r * b * t
+        moved = 2 * b * t * w * r * 2 + 2 * b * t * w * r * 4
+        if "triton" in timed:
+            results.add("latent_attention_train", shape, timed["triton"][0],
+                        metric="median ms of a forward + backward (jax.grad of <o, do> in q_lat and the latents)",
+                        peers={label: ms for label, (ms, _) in timed.items() if label != "triton"},
+                        roofline=max(flops / MATMUL, moved / HBM) * 1e3,
+                        implementation="latent_attention.sparse_latent_attention (Triton kernel forward; backward: "
+                                       "sparse_latent_attention_backward in XLA)",
+                        temp_mib={label: memory for label, (_, memory) in timed.items()})
 
 
 def fla_kda_train(np_in, d_out, d):
@@ -271,7 +323,7 @@ def bench_gemm_backward(token_counts, skip_peers, results):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: kda, gemm, step")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: kda, gemm, latent, step")
     parser.add_argument("--tokens", default="1024,8192", help="the GEMMs' token counts, comma-separated")
     parser.add_argument("--step-batch", default="2x4096", help="the training step's batch, <sequences>x<tokens>")
     parser.add_argument("--remat", default="none", help="the training step's remat policy")
@@ -284,6 +336,8 @@ def main():
         bench_kda_train(args.no_peers, results)
     if "gemm" not in args.skip:
         bench_gemm_backward([int(t) for t in args.tokens.split(",")], args.no_peers, results)
+    if "latent" not in args.skip:
+        bench_latent_train(results)
     if "step" not in args.skip:
         batch, seq = (int(v) for v in args.step_batch.split("x"))
         bench_train_step(batch, seq, args.remat, results)
