@@ -94,7 +94,8 @@ def bench_kda_train(skip_peers, results):
             results.add("kda_train", shape, timed["ours"][0],
                         metric="median ms of a forward + backward (jax.grad of <o, do>; fla: do_bench)",
                         peers={label: ms for label, (ms, _) in timed.items() if label != "ours"},
-                        implementation="kda.kda_chunk_scan (its backward: kda.kda_chunk_scan_backward in XLA)",
+                        implementation="kda.kda_chunk_scan (its backward: kda.kda_chunk_scan_backward, the d S "
+                                       "recurrence a Mosaic kernel, the chunk-parallel terms in XLA)",
                         peak_extra_mib={label: memory for label, (_, memory) in timed.items()})
 
 
