@@ -73,19 +73,25 @@ def lower_for_h200(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+def query_blocks(x, fill, block):
+    """[B, T, ...] -> [ceil(T / block), B, block, ...]: T padded with `fill` to whole blocks."""
+    b, t = x.shape[:2]
+    x = jnp.pad(x, [(0, 0), (0, -t % block)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0)
+
+
+def join_query_blocks(y, t):
+    """`query_blocks`' inverse: [n, B, block, ...] -> [B, t, ...], the padding dropped."""
+    return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], -1, *y.shape[3:])[:, :t]
+
+
 def map_query_blocks(fn, xs, fills, block):
     """fn over blocks of `block` queries (fewer when T is shorter), so that what a query builds against
     every key or pool (scores, masks) is never whole for the sequence. xs: arrays [B, T, ...], padded
     on T to whole blocks with `fills` (one per array); fn(blocks of xs) -> a pytree of [B, block, ...].
     Returns that pytree as [B, T, ...]. Differentiated, each block is recomputed in the backward pass
     (`jax.checkpoint`), so that the map keeps its blocks' inputs, not every block's scores."""
-    b, t = xs[0].shape[:2]
+    t = xs[0].shape[1]
     block = min(block, t)
-    pad = -t % block
-
-    def split(x, fill):  # [B, T, ...] -> [T / block, B, block, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0)
-
-    out = jax.lax.map(jax.checkpoint(fn), tuple(split(x, fill) for x, fill in zip(xs, fills)))
-    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(b, -1, *y.shape[3:])[:, :t], out)
+    out = jax.lax.map(jax.checkpoint(fn), tuple(query_blocks(x, fill, block) for x, fill in zip(xs, fills)))
+    return jax.tree.map(lambda y: join_query_blocks(y, t), out)

@@ -19,7 +19,7 @@ products, as flash attention's backward does (for fp32 q_lat everything is fp32)
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import HIGHEST
+from pallas_kernels.common import HIGHEST, join_query_blocks, query_blocks
 from pallas_kernels.latent_attention.reference import sequence_latents
 from pallas_kernels.latent_attention.splits import mark_repeats_empty
 
@@ -39,19 +39,14 @@ def sparse_latent_attention_backward(
     `sparse_latent_attention`). `distinct_indices`: no row repeats an index (else repeats are marked
     empty first: a token counts once). `block_queries`: queries a step gathers for (None: as many as
     keep B x queries x W x R within GATHERED_ELEMENTS)."""
-    b, t, h, r = q_lat.shape
+    b, t, _, r = q_lat.shape
     w = indices.shape[-1]
     if not distinct_indices:
         indices = mark_repeats_empty(indices)
     keys, keys_vjp = jax.vjp(lambda c: sequence_latents(q_lat, c, latent_scales, page_table), latents)
     s = keys.shape[1]
     block = min(t, block_queries or max(1, GATHERED_ELEMENTS // (b * max(w, 1) * r)))
-    pad = -t % block
     batch = jnp.arange(b)[:, None, None]
-
-    def blocks(x, fill):  # [B, T, ...] -> [T / block, B, block, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0)
 
     def step(d_keys, xs):
         q, d_o, idx = xs  # [B, block, H, R], [B, block, H, R], [B, block, W]
@@ -69,8 +64,8 @@ def sparse_latent_attention_backward(
         d_keys = d_keys.at[batch, jnp.where(valid, idx, s)].add(d_rows, mode="drop")
         return d_keys, d_q.astype(q_lat.dtype)
 
-    xs = (blocks(q_lat, 0), blocks(d_out.astype(q_lat.dtype), 0), blocks(indices, -1))
+    xs = (query_blocks(q_lat, 0, block), query_blocks(d_out.astype(q_lat.dtype), 0, block), query_blocks(indices, -1, block))
     d_keys, d_q = jax.lax.scan(step, jnp.zeros(keys.shape, jnp.float32), xs)
-    d_q = jnp.moveaxis(d_q, 0, 1).reshape(b, -1, h, r)[:, :t]
+    d_q = join_query_blocks(d_q, t)
     (d_latents,) = keys_vjp(d_keys.astype(keys.dtype))
     return d_q, d_latents
