@@ -20,6 +20,13 @@ rows come to both by one TMA multicast: a quarter less traffic from L2 a step. W
 two compute warpgroups take turns issuing their products (a rendezvous after each issue, the second
 warpgroup one turn behind), so that one's product runs on the tensor cores while the other scales
 and adds its last one (the schedule of CUTLASS's ping-pong kernels).
+
+With `rescale` the running sum stays in the wgmma accumulators for the whole of K, in units of the
+current step's scale: before each product the accumulator is multiplied by the previous step's
+scale over this one's (a zero scale, whose product is zero, keeps the previous unit), and the last
+unit is applied at the store. That needs half the registers of promotion, so a warpgroup holds 64 x
+256 (two scale blocks, each its own product, the second's rescaling overlapping the first's product),
+but each addition of a product then runs at the tensor cores' accumulation precision.
 """
 
 import dataclasses
@@ -48,8 +55,9 @@ class Fp8GemmConfig:
     its own pipeline; `pingpong`: the compute warpgroups issue their products in turn; `profile`:
     None or (ranges, directory), a trace of each call's scopes per warpgroup (`warpgroup_kernel`; the
     compute warpgroups' scopes: "scales" (loading a step's row and block scales), "issue" (the
-    product), "await" (its wait), "promote" (scale and add), "store"). K goes 128 a step: one scale
-    block."""
+    product), "await" (its wait), "promote" (scale and add, or with `rescale` the accumulators'
+    rescaling), "store"). `rescale`: the running sum rescaled in the accumulators instead of promoted
+    (module docstring). K goes 128 a step: one scale block."""
 
     block_rows: int = 128
     block_cols: int = BLOCK
@@ -57,6 +65,7 @@ class Fp8GemmConfig:
     cluster: int = 1
     overlap_items: bool = True
     pingpong: bool = False
+    rescale: bool = False
     profile: tuple[int, str] | None = None
 
 
@@ -103,7 +112,7 @@ def walk_items(item, config, steps, sm, mine, ctas):
             item(sm + i * ctas, jnp.where(i == mine - 1, plgpu.PipelinePipeline.STOP, state))
 
 
-def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas):
+def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas, interpret):
     bm, bn = config.block_rows, config.block_cols
     k, n = x_ref.shape[1], w_ref.shape[1]
     col_groups = n // bn // config.cluster  # items a tile: a column block for each CTA of a cluster
@@ -145,11 +154,17 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
             rows = pl.ds(tile * bm, bm)
             cols = pl.ds(col_block * bn, bn)
 
+            def run_rescaled(run_pipeline):  # the sums, each in its rows' unit, and the units applied
+                ones = plgpu.layout_cast(jnp.ones((wg_m,), jnp.float32), _ROW)
+                accs, units = run_pipeline(((zeros,) * parts, (ones,) * parts))
+                return [acc * lax.broadcast_in_dim(unit, acc.shape, [0]) for acc, unit in zip(accs, units)]
+
+            zeros = plgpu.layout_cast(jnp.zeros((wg_m, part_n), jnp.float32), _WGMMA)
+
             def context(run_pipeline):
-                zeros = plgpu.layout_cast(jnp.zeros((wg_m, part_n), jnp.float32), _WGMMA)
                 if config.pingpong:  # turns balanced within an item (pipelines may sync the warpgroups)
                     pl.when(wg == 1)(take_turns)  # the second warpgroup starts a turn behind ...
-                accs = run_pipeline((zeros,) * parts)
+                accs = run_rescaled(run_pipeline) if config.rescale else run_pipeline((zeros,) * parts)
                 if config.pingpong:
                     pl.when(wg == 0)(take_turns)  # ... and the first ends with the turn it is owed
                 with jax.named_scope("store"):
@@ -163,12 +178,40 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
                         o_ref.at[pl.ds(tile * bm + wg_rows.start, wg_m), pl.ds(col_block * bn + wg_cols.start, wg_n)],
                     )
 
-            def multiply(indices, x_smem, w_smem, x_scales_smem, accs):
-                (kk,) = indices
+            def step_scales(kk, x_scales_smem):
                 with jax.named_scope("scales"):
                     row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False)
-                    w_scales = [w_scales_ref[expert, (col_block * bn + wg_cols.start + h * part_n) // BLOCK, kk]
-                                for h in range(parts)]
+                    return [row_scales * w_scales_ref[expert, (col_block * bn + wg_cols.start + h * part_n) // BLOCK, kk]
+                            for h in range(parts)]
+
+            def rescale_and_multiply(indices, x_smem, w_smem, x_scales_smem, carry):
+                accs, units = carry
+                with jax.named_scope("promote"):
+                    scales = [jnp.where(scale == 0, unit, scale)  # a zero scale's product is zero
+                              for scale, unit in zip(step_scales(*indices, x_scales_smem), units)]
+                    rescaled = [acc * lax.broadcast_in_dim(unit / scale, acc.shape, [0])
+                                for acc, unit, scale in zip(accs, units, scales)]
+
+                def products(acc_refs):
+                    with jax.named_scope("issue"):
+                        for h, acc_ref in enumerate(acc_refs):
+                            part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
+                            plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[part_cols].transpose((1, 0)))
+                    if config.pingpong:
+                        take_turns()
+
+                with jax.named_scope("await"):
+                    if interpret:  # Pallas' GPU interpreter has no run_state: the same sums, added after
+                        fresh = pl.run_scoped(lambda *refs: (products(refs), [ref[...] for ref in refs])[1],
+                                              *[plgpu.ACC((wg_m, part_n), jnp.float32)] * parts)
+                        accs = tuple(acc + part for acc, part in zip(rescaled, fresh))
+                    else:
+                        accs = pl.run_state(products)(tuple(plgpu.ACC.init(acc) for acc in rescaled))
+                plgpu.commit_smem()
+                return accs, tuple(scales)
+
+            def multiply(indices, x_smem, w_smem, x_scales_smem, accs):
+                scales = step_scales(*indices, x_scales_smem)
                 summed = []
                 for h, acc in enumerate(accs):
                     part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
@@ -183,13 +226,12 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
 
                     part = pl.run_scoped(product, plgpu.ACC((wg_m, part_n), jnp.float32))
                     with jax.named_scope("promote"):
-                        scales = lax.broadcast_in_dim(row_scales * w_scales[h], part.shape, [0])
-                        summed.append(acc + part * scales)
+                        summed.append(acc + part * lax.broadcast_in_dim(scales[h], part.shape, [0]))
                 # The reads (generic proxy) ordered before the slot's refill by TMA (async proxy).
                 plgpu.commit_smem()
                 return tuple(summed)
 
-            pipeline(multiply, context, state)(
+            pipeline(rescale_and_multiply if config.rescale else multiply, context, state)(
                 x_ref.at[rows, :], w_ref.at[expert].at[cols, :], x_scales_ref.at[:, rows], allocations=allocations
             )
 
@@ -203,7 +245,7 @@ def grouped_matmul_fp8_kernel(x, x_scales_t, weights, weight_scales, tile_expert
     step's row scales are one TMA row), weights [G, N, K] fp8, weight_scales [G, N / 128, K / 128]
     fp32 -> [T * block_rows, N] bf16."""
     kernel = warpgroup_kernel(
-        functools.partial(_kernel, config=config, ctas=sms // config.cluster),
+        functools.partial(_kernel, config=config, ctas=sms // config.cluster, interpret=bool(interpret)),
         jax.ShapeDtypeStruct((x.shape[0], weights.shape[1]), jnp.bfloat16),
         name="moe_grouped_matmul_fp8", ctas=sms // config.cluster, interpret=interpret, cluster=config.cluster,
         profile=config.profile,
