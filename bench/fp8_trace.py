@@ -142,7 +142,7 @@ def main():
         parts = max(wg_n // 128, 1)  # products a step (the kernel's scale blocks a warpgroup)
         ideal = COMPUTE_WARPGROUPS * wg_m * wg_n * 128 / FP8_FMAS_A_CYCLE
         for wg in range(COMPUTE_WARPGROUPS):
-            steps = len(scopes[wg]["issue"]) / parts
+            steps = len(scopes[wg]["issue"]) / (1 if config.rescale else parts)  # rescaled: one scope a step
             if not steps:
                 continue
             a_step = {name: sum(v) / steps for name, v in scopes[wg].items()}

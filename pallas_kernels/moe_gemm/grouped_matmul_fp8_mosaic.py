@@ -154,17 +154,22 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
             rows = pl.ds(tile * bm, bm)
             cols = pl.ds(col_block * bn, bn)
 
-            def run_rescaled(run_pipeline):  # the sums, each in its rows' unit, and the units applied
-                ones = plgpu.layout_cast(jnp.ones((wg_m,), jnp.float32), _ROW)
-                accs, units = run_pipeline(((zeros,) * parts, (ones,) * parts))
-                return [acc * lax.broadcast_in_dim(unit, acc.shape, [0]) for acc, unit in zip(accs, units)]
+            def weight_scales(kk):  # each part's weight block scale at K step kk (from global memory)
+                return tuple(w_scales_ref[expert, (col_block * bn + wg_cols.start + h * part_n) // BLOCK, kk]
+                             for h in range(parts))
 
             zeros = plgpu.layout_cast(jnp.zeros((wg_m, part_n), jnp.float32), _WGMMA)
 
             def context(run_pipeline):
                 if config.pingpong:  # turns balanced within an item (pipelines may sync the warpgroups)
                     pl.when(wg == 1)(take_turns)  # the second warpgroup starts a turn behind ...
-                accs = run_rescaled(run_pipeline) if config.rescale else run_pipeline((zeros,) * parts)
+                # The carry holds the sums and the next step's weight scales, loaded a step ahead.
+                if config.rescale:  # the sums, each in its rows' unit, and the units applied at the end
+                    ones = plgpu.layout_cast(jnp.ones((wg_m,), jnp.float32), _ROW)
+                    (accs, units), _ = run_pipeline((((zeros,) * parts, (ones,) * parts), weight_scales(0)))
+                    accs = [acc * lax.broadcast_in_dim(unit, acc.shape, [0]) for acc, unit in zip(accs, units)]
+                else:
+                    accs, _ = run_pipeline(((zeros,) * parts, weight_scales(0)))
                 if config.pingpong:
                     pl.when(wg == 0)(take_turns)  # ... and the first ends with the turn it is owed
                 with jax.named_scope("store"):
@@ -178,29 +183,31 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
                         o_ref.at[pl.ds(tile * bm + wg_rows.start, wg_m), pl.ds(col_block * bn + wg_cols.start, wg_n)],
                     )
 
-            def step_scales(kk, x_scales_smem):
+            def step_scales(kk, x_scales_smem, w_scales):
+                """Each part's scales at step kk (rows' times the weight block's) and the weight scales of
+                step kk + 1 (a load whose latency the step hides)."""
                 with jax.named_scope("scales"):
+                    w_next = weight_scales(jnp.minimum(kk + 1, steps - 1))
                     row_scales = plgpu.load(x_scales_smem.at[wg_rows], layout=_ROW, optimized=False)
-                    return [row_scales * w_scales_ref[expert, (col_block * bn + wg_cols.start + h * part_n) // BLOCK, kk]
-                            for h in range(parts)]
+                    return [row_scales * w for w in w_scales], w_next
 
             def rescale_and_multiply(indices, x_smem, w_smem, x_scales_smem, carry):
-                accs, units = carry
+                (accs, units), w_scales = carry
+                step, w_next = step_scales(*indices, x_scales_smem, w_scales)
                 with jax.named_scope("promote"):
                     scales = [jnp.where(scale == 0, unit, scale)  # a zero scale's product is zero
-                              for scale, unit in zip(step_scales(*indices, x_scales_smem), units)]
+                              for scale, unit in zip(step, units)]
                     rescaled = [acc * lax.broadcast_in_dim(unit / scale, acc.shape, [0])
                                 for acc, unit, scale in zip(accs, units, scales)]
 
                 def products(acc_refs):
-                    with jax.named_scope("issue"):
-                        for h, acc_ref in enumerate(acc_refs):
-                            part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
-                            plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[part_cols].transpose((1, 0)))
+                    for h, acc_ref in enumerate(acc_refs):
+                        part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
+                        plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[part_cols].transpose((1, 0)))
                     if config.pingpong:
                         take_turns()
 
-                with jax.named_scope("await"):
+                with jax.named_scope("issue"):  # and await: run_state waits for its products
                     if interpret:  # Pallas' GPU interpreter has no run_state: the same sums, added after
                         fresh = pl.run_scoped(lambda *refs: (products(refs), [ref[...] for ref in refs])[1],
                                               *[plgpu.ACC((wg_m, part_n), jnp.float32)] * parts)
@@ -208,10 +215,11 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
                     else:
                         accs = pl.run_state(products)(tuple(plgpu.ACC.init(acc) for acc in rescaled))
                 plgpu.commit_smem()
-                return accs, tuple(scales)
+                return (accs, tuple(scales)), w_next
 
-            def multiply(indices, x_smem, w_smem, x_scales_smem, accs):
-                scales = step_scales(*indices, x_scales_smem)
+            def multiply(indices, x_smem, w_smem, x_scales_smem, carry):
+                accs, w_scales = carry
+                scales, w_next = step_scales(*indices, x_scales_smem, w_scales)
                 summed = []
                 for h, acc in enumerate(accs):
                     part_cols = pl.ds(wg_cols.start + h * part_n, part_n)
@@ -229,7 +237,7 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
                         summed.append(acc + part * lax.broadcast_in_dim(scales[h], part.shape, [0]))
                 # The reads (generic proxy) ordered before the slot's refill by TMA (async proxy).
                 plgpu.commit_smem()
-                return tuple(summed)
+                return tuple(summed), w_next
 
             pipeline(rescale_and_multiply if config.rescale else multiply, context, state)(
                 x_ref.at[rows, :], w_ref.at[expert].at[cols, :], x_scales_ref.at[:, rows], allocations=allocations
