@@ -75,9 +75,10 @@ def saving_process(path, leaves):
 
 
 def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
-    """Saves over a checkpoint killed (SIGKILL) at 10 moments spread over a save's duration: after
-    each, the checkpoint restores bit for bit to what was there before or to what was being saved,
-    never neither; no partial folder is read."""
+    """Saves over a checkpoint killed (SIGKILL) at 9 moments spread over a save's duration and once
+    after the save said it was done (so that both sides of the switch are hit however slow a loaded
+    machine makes a save): after each, the checkpoint restores bit for bit to what was there before
+    or to what was being saved, never neither; no partial folder is read."""
     config = glm5next_jax.Config.from_hf(SHIPPED)
     by_seed = {seed: glm5next_jax.init_params(config, jax.random.key(seed), dtype="float32") for seed in (0, 1)}
     leaves = {seed: tmp_path / f"leaves{seed}.npz" for seed in by_seed}
@@ -88,17 +89,22 @@ def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
     duration = float(full.stdout.readline().split()[1])
     assert full.wait() == 0
     held, outcomes = 0, collections.Counter()
-    for i, fraction in enumerate(np.linspace(0.0, 1.5, 10)):
+    for i, fraction in enumerate([*np.linspace(0.0, 1.5, 9), None]):
         seed = 1 - held
         proc = saving_process(path, leaves[seed])
-        time.sleep(fraction * duration)
+        if fraction is None:
+            assert proc.stdout.readline().startswith("done"), proc.stderr.read()[-3000:]
+            moment = "once done"
+        else:
+            time.sleep(fraction * duration)
+            moment = f"at {fraction * duration:.3f} s"
         proc.kill()
         proc.wait()
         _, restored = restore_params(path)
         equal = [s for s in (held, seed) if all(
             np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
             for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(by_seed[s]), strict=True))]
-        assert equal, f"kill {i} at {fraction * duration:.3f} s of a {duration:.3f} s save: neither checkpoint restored"
+        assert equal, f"kill {i} {moment} of a {duration:.3f} s save: neither checkpoint restored"
         outcomes["new" if equal[0] == seed else "old"] += 1
         held = equal[0]
     record(f"killed saves ({duration:.2f} s each): old kept / new complete", outcomes["old"] / max(outcomes["new"], 1))
