@@ -113,18 +113,54 @@ def combine(rows, slot_of_choice, experts, weights, dtype, present=None):
     some experts only). As the reference adds them (`index_add_`, one expert after another): each
     weighted row cast to `dtype`, then summed in ascending expert order. A gather of k rows a token,
     not a scatter-add, which takes 3.25 ms a layer on the H200 at 16384 tokens x 8 experts
-    (bench/RESULTS.md)."""
+    (bench/RESULTS.md); its gradient is a gather too (`_weighted_rows_sum`)."""
     by_expert = jnp.argsort(experts, axis=-1)
     slot_of_choice = jnp.take_along_axis(slot_of_choice, by_expert, axis=-1)
     weights = jnp.take_along_axis(weights, by_expert, axis=-1)
-    if present is not None:
-        present = jnp.take_along_axis(present, by_expert, axis=-1)
-    out = jnp.zeros((experts.shape[0], rows.shape[-1]), dtype)
-    for j in range(experts.shape[-1]):
-        row = rows[jnp.clip(slot_of_choice[:, j], 0, rows.shape[0] - 1)]
-        term = (row * weights[:, j, None]).astype(dtype)
-        out = out + (term if present is None else jnp.where(present[:, j, None], term, 0))
+    present = jnp.ones(experts.shape, jnp.bool_) if present is None else jnp.take_along_axis(present, by_expert, axis=-1)
+    return _weighted_rows_sum(rows, slot_of_choice, weights, present, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _weighted_rows_sum(rows, slot_of_choice, weights, present, dtype):
+    """sum_j present[:, j] weights[:, j] rows[slot_of_choice[:, j]], each term cast to dtype, in j's order.
+    Its vjp takes the rows' gradient slot by slot (each slot holds one choice, so it is a gather of
+    the choice's token's output gradient times its weight) where autodiff would scatter-add into a
+    zeroed [slots, D] buffer, which XLA allocates for every layer at once (573 MB a MoE layer on each
+    of 8 devices at 8192 tokens)."""
+    out = jnp.zeros((slot_of_choice.shape[0], rows.shape[-1]), dtype)
+    for j in range(slot_of_choice.shape[-1]):
+        term = (_choice_rows(rows, slot_of_choice[:, j]) * weights[:, j, None]).astype(dtype)
+        out = out + jnp.where(present[:, j, None], term, 0)
     return out
+
+
+def _choice_rows(rows, slots):
+    return rows[jnp.clip(slots, 0, rows.shape[0] - 1)]
+
+
+def _weighted_rows_sum_fwd(rows, slot_of_choice, weights, present, dtype):
+    return _weighted_rows_sum(rows, slot_of_choice, weights, present, dtype), (rows, slot_of_choice, weights, present)
+
+
+def _weighted_rows_sum_bwd(dtype, residuals, d_out):
+    rows, slot_of_choice, weights, present = residuals
+    n, k = slot_of_choice.shape
+    d_out = d_out.astype(jnp.float32)
+    # Each slot's choice (n k for none: padding, or choices held elsewhere).
+    held_slots = jnp.where(present, slot_of_choice, rows.shape[0]).reshape(-1)
+    choice_of_slot = jnp.full(rows.shape[0], n * k, jnp.int32).at[held_slots].set(jnp.arange(n * k, dtype=jnp.int32),
+                                                                                  mode="drop")
+    choice = jnp.minimum(choice_of_slot, n * k - 1)
+    d_rows = d_out[choice // k] * weights.reshape(-1)[choice, None].astype(jnp.float32)
+    d_rows = jnp.where((choice_of_slot < n * k)[:, None], d_rows, 0).astype(rows.dtype)
+    d_weights = jnp.stack([(_choice_rows(rows, slot_of_choice[:, j]).astype(jnp.float32) * d_out).sum(-1)
+                           for j in range(k)], axis=-1)
+    d_weights = jnp.where(present, d_weights, 0).astype(weights.dtype)
+    return d_rows, None, d_weights, None
+
+
+_weighted_rows_sum.defvjp(_weighted_rows_sum_fwd, _weighted_rows_sum_bwd)
 
 
 def routed_experts(p, tokens, weights, experts, config, implementation=None, interpret=False, first_expert=0,

@@ -285,6 +285,39 @@ def test_combine_adds_the_experts_as_the_reference_does(dtype):
         assert relative_error(got, want) < 2 * 2.0**-8
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_combine_differentiates_as_its_autodiff(dtype):
+    """combine's gradient (a gather a slot) against jax.vjp of the same sum left to autodiff (which
+    scatter-adds into the rows): unused slots, choices held elsewhere (their slots out of range),
+    fp32 and bf16 rows; fp32 within rounding, bf16 within one ulp."""
+    rng = np.random.default_rng(1)
+    tokens, k, experts, d, slots_count = 40, 4, 12, 32, 200
+    chosen = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 2.0, (tokens, k)), jnp.float32)
+    present = chosen < 9  # experts 9-11 held elsewhere
+    slots = rng.permutation(slots_count)[: tokens * k].reshape(tokens, k).astype(np.int32)
+    slots = jnp.asarray(np.where(present, slots, slots_count + 7))
+    rows = jnp.asarray(rng.standard_normal((slots_count, d)), dtype)
+    d_out = jnp.asarray(rng.standard_normal((tokens, d)), dtype)
+
+    def autodiff(rows, weights):
+        by_expert = jnp.argsort(chosen, axis=-1)
+        s, w, here = (jnp.take_along_axis(jnp.asarray(x), by_expert, axis=-1) for x in (slots, weights, present))
+        out = jnp.zeros((tokens, d), dtype)
+        for j in range(k):
+            term = (rows[jnp.clip(s[:, j], 0, slots_count - 1)] * w[:, j, None]).astype(dtype)
+            out = out + jnp.where(here[:, j, None], term, 0)
+        return out
+
+    ours = jax.vjp(lambda r, w: mlp.combine(r, slots, jnp.asarray(chosen), w, dtype, jnp.asarray(present)), rows, weights)
+    ref = jax.vjp(autodiff, rows, weights)
+    np.testing.assert_array_equal(np.asarray(ours[0], np.float32), np.asarray(ref[0], np.float32))
+    for got, want in zip(ours[1](d_out), ref[1](d_out), strict=True):
+        assert got.dtype == want.dtype
+        assert relative_error(got, want) < (1e-6 if dtype == np.float32 else 2.0**-8)
+    assert np.all(np.asarray(ours[1](d_out)[0])[np.setdiff1d(np.arange(slots_count), np.asarray(slots))] == 0)
+
+
 @pytest.mark.parametrize("rows, block_rows", [(65536, 128), (64, 64)])
 def test_kernel_lowers_for_the_gpu_at_the_model_shapes(rows, block_rows):
     """GLM-5.3's gate_up and down products: the lowering checks SMEM, TMA shapes and wgmma operands."""
