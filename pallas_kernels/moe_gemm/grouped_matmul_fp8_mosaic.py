@@ -25,8 +25,8 @@ With `rescale` the running sum stays in the wgmma accumulators for the whole of 
 current step's scale: before each product the accumulator is multiplied by the previous step's
 scale over this one's (a zero scale, whose product is zero, keeps the previous unit), and the last
 unit is applied at the store. That needs half the registers of promotion, so a warpgroup holds 64 x
-256 (two scale blocks, each its own product, the second's rescaling overlapping the first's product),
-but each addition of a product then runs at the tensor cores' accumulation precision.
+256 (two scale blocks, each its own product) without spilling, but each addition of a product then
+runs at the tensor cores' FP8 accumulation precision (on an H100: 1.6-2.8x promotion's error).
 """
 
 import dataclasses
@@ -55,9 +55,10 @@ class Fp8GemmConfig:
     its own pipeline; `pingpong`: the compute warpgroups issue their products in turn; `profile`:
     None or (ranges, directory), a trace of each call's scopes per warpgroup (`warpgroup_kernel`; the
     compute warpgroups' scopes: "scales" (loading a step's row and block scales), "issue" (the
-    product), "await" (its wait), "promote" (scale and add, or with `rescale` the accumulators'
-    rescaling), "store"). `rescale`: the running sum rescaled in the accumulators instead of promoted
-    (module docstring). K goes 128 a step: one scale block."""
+    product; with `rescale` the products and their wait), "await" (its wait), "promote" (scale and
+    add; with `rescale` the scales and the accumulators' rescaling), "store"). `rescale`: the running
+    sum rescaled in the accumulators instead of promoted (module docstring). K goes 128 a step: one
+    scale block."""
 
     block_rows: int = 128
     block_cols: int = BLOCK
