@@ -9,6 +9,12 @@ FP8 rate, 4096 multiply-adds a cycle an SM, both warpgroups' products one after 
     python -m bench.fp8_trace [--tokens 8192] [--gemm gate_up] [--configs default,cluster=2,pingpong]
         [--ranges 1024] [--keep DIR]
 
+With `--plain N` each config instead runs N plain calls (no profiler), for a hardware profiler to
+read the kernel's counters, e.g.
+
+    ncu --clock-control none --kernel-name regex:fp8 --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis python -m bench.fp8_trace --plain 2
+
 Each warpgroup records its first `ranges` scopes (about 10 items of gate_up at the default 1024), so
 the figures cover the start of every CTA's share, not its tail. Profiling adds about 12 cycles a
 scope. Nothing goes to bench/results.jsonl: these are a kernel's insides, not a time to compare.
@@ -120,8 +126,19 @@ def main():
     parser.add_argument("--configs", default="default,pingpong,cluster=2")
     parser.add_argument("--ranges", type=int, default=1024, help="scopes a warpgroup records")
     parser.add_argument("--keep", default=None, help="a directory to keep the Perfetto traces in")
+    parser.add_argument("--plain", type=int, default=0, help="run each config this many times, untraced")
     args = parser.parse_args()
     case = GemmCase(args.gemm, args.tokens)
+    if args.plain:
+        for text in args.configs.split(","):
+            config = parse_config(text, case.default)
+            x_tiled, s_tiled, tiles = case.tiled(config)
+            call = jax.jit(lambda *a, config=config: moe_gemm.grouped_matmul_fp8(*a, implementation="pallas",
+                                                                                 config=config))
+            for _ in range(args.plain):
+                jax.block_until_ready(call(x_tiled, s_tiled, case.w, case.w_s, tiles.tile_experts, tiles.used_tiles))
+            log(f"{text}: {args.plain} calls")
+        return
     directory = args.keep or tempfile.mkdtemp(prefix="fp8_trace")
     os.makedirs(directory, exist_ok=True)
     log(f"{jax.devices()[0].device_kind}; {args.gemm} K={case.k} N={case.n}, {args.tokens} tokens; traces in {directory}")
