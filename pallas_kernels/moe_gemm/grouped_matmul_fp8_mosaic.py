@@ -15,8 +15,11 @@ A third warpgroup feeds them by TMA. The CTAs walk
 their share of the (tile, column block) items column blocks fastest, as the bf16 kernel does; with
 `overlap_items` the feeding warpgroup runs on into the next item's first K slices while the compute
 warpgroups finish and store the current one (a pipeline of pipelines: no fill and drain between
-items). In clusters of two, the CTAs of a cluster take neighbouring column blocks of one tile and its
-rows come to both by one TMA multicast: a quarter less traffic from L2 a step. With `pingpong` the
+items). With `tiles_fastest` the items walk each expert's tiles fastest instead (an expert's items
+in column-block order, its tiles within each), so that the CTAs reading one column block of an
+expert's weights run side by side and all but the first find it in L2. In clusters of two, the CTAs
+of a cluster take neighbouring column blocks of one tile and its rows come to both by one TMA
+multicast: a quarter less traffic from L2 a step. With `pingpong` the
 two compute warpgroups take turns issuing their products (a rendezvous after each issue, the second
 warpgroup one turn behind), so that one's product runs on the tensor cores while the other scales
 and adds its last one (the schedule of CUTLASS's ping-pong kernels).
@@ -57,7 +60,8 @@ class Fp8GemmConfig:
     compute warpgroups' scopes: "scales" (loading a step's row and block scales), "issue" (the
     product; with `rescale` the products and their wait), "await" (its wait), "promote" (scale and
     add; with `rescale` the scales and the accumulators' rescaling), "store"). `rescale`: the running
-    sum rescaled in the accumulators instead of promoted (module docstring). K goes 128 a step: one
+    sum rescaled in the accumulators instead of promoted (module docstring). `tiles_fastest`: the items
+    walk each expert's tiles fastest, column blocks next (module docstring). K goes 128 a step: one
     scale block."""
 
     block_rows: int = 128
@@ -67,6 +71,7 @@ class Fp8GemmConfig:
     overlap_items: bool = True
     pingpong: bool = False
     rescale: bool = False
+    tiles_fastest: bool = False
     profile: tuple[int, str] | None = None
 
 
@@ -113,7 +118,17 @@ def walk_items(item, config, steps, sm, mine, ctas):
             item(sm + i * ctas, jnp.where(i == mine - 1, plgpu.PipelinePipeline.STOP, state))
 
 
-def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas, interpret):
+def expert_runs(tile_experts, used_tiles):
+    """[2, T] int32: each tile's expert's first tile and its number of tiles below `used_tiles`
+    (`tile_experts` is sorted: an expert's tiles are one run)."""
+    tiles = jnp.arange(tile_experts.shape[0], dtype=jnp.int32)
+    changes = tile_experts[1:] != tile_experts[:-1]
+    first = lax.cummax(jnp.where(jnp.concatenate([jnp.ones((1,), bool), changes]), tiles, 0))
+    last = lax.cummin(jnp.where(jnp.concatenate([changes, jnp.ones((1,), bool)]), tiles, tiles[-1]), reverse=True)
+    return jnp.stack([first, jnp.minimum(last + 1, used_tiles) - first])
+
+
+def _kernel(tile_experts_ref, runs_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas, interpret):
     bm, bn = config.block_rows, config.block_cols
     k, n = x_ref.shape[1], w_ref.shape[1]
     col_groups = n // bn // config.cluster  # items a tile: a column block for each CTA of a cluster
@@ -150,6 +165,10 @@ def _kernel(tile_experts_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref
 
         def item(index, state):
             tile, col_group = index // col_groups, index % col_groups
+            if config.tiles_fastest:  # the expert's items hold the same indices, in another order
+                first, count = runs_ref[0, tile], runs_ref[1, tile]
+                local = index - first * col_groups
+                tile, col_group = first + lax.rem(local, count), lax.div(local, count)  # both non-negative
             col_block = col_group * config.cluster + lax.axis_index("cluster")
             expert = tile_experts_ref[tile]
             rows = pl.ds(tile * bm, bm)
@@ -259,6 +278,5 @@ def grouped_matmul_fp8_kernel(x, x_scales_t, weights, weight_scales, tile_expert
         name="moe_grouped_matmul_fp8", ctas=sms // config.cluster, interpret=interpret, cluster=config.cluster,
         profile=config.profile,
     )
-    return kernel(
-        tile_experts, jnp.reshape(used_tiles, (1,)).astype(jnp.int32), weight_scales, x, x_scales_t, weights
-    )
+    used_tiles = jnp.reshape(used_tiles, (1,)).astype(jnp.int32)
+    return kernel(tile_experts, expert_runs(tile_experts, used_tiles[0]), used_tiles, weight_scales, x, x_scales_t, weights)
