@@ -9,7 +9,7 @@ GEMMs with block-scaled FP8 operands
 
     python -m bench.moe [--tokens 8,64,1024,8192] [--skip gemm,layer,fp8] [--no-peers] [--configs 128x128x64x4]
         [--fp8-tokens 64,8192] [--fp8-stages 3,4] [--fp8-clusters 1,2] [--fp8-cols 256] [--fp8-no-overlap]
-        [--fp8-pingpong] [--fp8-rescale] [--fp8-tiles-fastest]
+        [--fp8-pingpong] [--fp8-rescale] [--fp8-columns-fastest]
         [--results bench/results.jsonl]
 
 Times are medians of 20 jitted calls dispatched back to back (`common.dispatched_ms`), per call; ours
@@ -207,7 +207,7 @@ def fp8_sampled_error(out_rows, x_q, x_s, w, w_s, sizes, rng):
     return worst
 
 
-def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, pingpong, rescale, tiles_fastest, skip_peers,
+def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, pingpong, rescale, columns_fastest, skip_peers,
                     results):
     log("\n| tokens | FP8 GEMM | implementation | ms | TFLOP/s | x roofline | error |")
     log("| --- | --- | --- | --- | --- | --- | --- |")
@@ -238,10 +238,10 @@ def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, pingpong, 
                 variants |= {dataclasses.replace(v, pingpong=True) for v in variants}
             if rescale:
                 variants |= {dataclasses.replace(v, rescale=True) for v in variants}
-            if tiles_fastest:
-                variants |= {dataclasses.replace(v, tiles_fastest=True) for v in variants}
+            if columns_fastest:
+                variants |= {dataclasses.replace(v, tiles_fastest=False) for v in variants}
             order = lambda v: (v.block_cols, v.stages, v.cluster, not v.overlap_items, v.pingpong, v.rescale,  # noqa: E731
-                               v.tiles_fastest)
+                               not v.tiles_fastest)
             for config in sorted((v for v in variants if n % (v.block_cols * v.cluster) == 0), key=order):
                 b, s, c = config.block_cols, config.stages, config.cluster
                 tiles = moe_gemm.expert_tiles(jnp.asarray(sizes), rows, config.block_rows)
@@ -253,7 +253,7 @@ def bench_fp8_gemms(token_counts, stages, clusters, cols, no_overlap, pingpong, 
                 overlap = "" if config.overlap_items else ", items not overlapped"
                 overlap += ", warpgroups taking turns" if config.pingpong else ""
                 overlap += ", sums rescaled" if config.rescale else ""
-                overlap += ", tiles fastest" if config.tiles_fastest else ""
+                overlap += "" if config.tiles_fastest else ", column blocks fastest"
                 runs[f"{label} ({implementation} {config.block_rows}x{b}x{s}, cluster {c}{overlap})"] = (
                     functools.partial(ours, x_tiled, s_tiled, w, w_s, tiles.tile_experts, tiles.used_tiles),
                     lambda out, slots=tiles.slots: out[slots],
@@ -324,8 +324,8 @@ def main():
                         help="also every FP8 config with its compute warpgroups taking turns")
     parser.add_argument("--fp8-rescale", action="store_true",
                         help="also every FP8 config with its running sums rescaled in the accumulators")
-    parser.add_argument("--fp8-tiles-fastest", action="store_true",
-                        help="also every FP8 config with its items walking each expert's tiles fastest")
+    parser.add_argument("--fp8-columns-fastest", action="store_true",
+                        help="also every FP8 config with its items walking column blocks fastest")
     parser.add_argument("--no-peers", action="store_true", help="time ours alone")
     parser.add_argument(
         "--configs", default="", help="more kernel configs, <block_rows>x<block_cols>x<block_k>x<stages>, e.g. 128x128x64x4"
@@ -344,7 +344,7 @@ def main():
         clusters = [int(v) for v in args.fp8_clusters.split(",") if v]
         cols = [int(v) for v in args.fp8_cols.split(",") if v]
         bench_fp8_gemms([int(t) for t in args.fp8_tokens.split(",")], stages, clusters, cols, args.fp8_no_overlap,
-                        args.fp8_pingpong, args.fp8_rescale, args.fp8_tiles_fastest, args.no_peers, results)
+                        args.fp8_pingpong, args.fp8_rescale, args.fp8_columns_fastest, args.no_peers, results)
 
 
 if __name__ == "__main__":

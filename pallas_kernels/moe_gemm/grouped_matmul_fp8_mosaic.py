@@ -12,14 +12,15 @@ A CTA computes a [block_rows, block_cols] output tile, one or two weight-scale b
 compute warpgroups split the rows (128-row tiles) or the columns (64-row tiles), each holding its
 running sum a scale block at a time beside the fresh product of one scale block (at most 64 x 128).
 A third warpgroup feeds them by TMA. The CTAs walk
-their share of the (tile, column block) items column blocks fastest, as the bf16 kernel does; with
+their share of the (tile, column block) items an expert at a time, its column blocks in order and
+its tiles fastest within each (`tiles_fastest`), so that the CTAs reading one column block of an
+expert's weights run side by side and all but the first find it in L2 (walked column blocks
+fastest, as the bf16 kernel does, an expert's tiles read its weights apart in time and about a
+quarter of the weights come from DRAM twice: the kernel is bound by memory). With
 `overlap_items` the feeding warpgroup runs on into the next item's first K slices while the compute
 warpgroups finish and store the current one (a pipeline of pipelines: no fill and drain between
-items). With `tiles_fastest` the items walk each expert's tiles fastest instead (an expert's items
-in column-block order, its tiles within each), so that the CTAs reading one column block of an
-expert's weights run side by side and all but the first find it in L2. In clusters of two, the CTAs
-of a cluster take neighbouring column blocks of one tile and its rows come to both by one TMA
-multicast: a quarter less traffic from L2 a step. With `pingpong` the
+items). In clusters of two, the CTAs of a cluster take neighbouring column blocks of one tile and
+its rows come to both by one TMA multicast: a quarter less traffic from L2 a step. With `pingpong` the
 two compute warpgroups take turns issuing their products (a rendezvous after each issue, the second
 warpgroup one turn behind), so that one's product runs on the tensor cores while the other scales
 and adds its last one (the schedule of CUTLASS's ping-pong kernels).
@@ -61,7 +62,8 @@ class Fp8GemmConfig:
     product; with `rescale` the products and their wait), "await" (its wait), "promote" (scale and
     add; with `rescale` the scales and the accumulators' rescaling), "store"). `rescale`: the running
     sum rescaled in the accumulators instead of promoted (module docstring). `tiles_fastest`: the items
-    walk each expert's tiles fastest, column blocks next (module docstring). K goes 128 a step: one
+    walk each expert's tiles fastest, column blocks next; else column blocks fastest (module
+    docstring). K goes 128 a step: one
     scale block."""
 
     block_rows: int = 128
@@ -71,7 +73,7 @@ class Fp8GemmConfig:
     overlap_items: bool = True
     pingpong: bool = False
     rescale: bool = False
-    tiles_fastest: bool = False
+    tiles_fastest: bool = True
     profile: tuple[int, str] | None = None
 
 

@@ -483,10 +483,10 @@ class TestGroupedMatmulFp8(KernelCase):
                                                             stages=3, block_cols=256, cluster=2, rescale=True),
         "rescaled sums, 64-row tiles, own pipelines": dict(sizes=(65, 1), k=384, n=256, block_rows=64, stages=2,
                                                            overlap=False, rescale=True),
-        "each expert's tiles fastest": dict(sizes=(300, 0, 130, 7, 64), k=256, n=384, block_rows=64, stages=2,
-                                            tiles_fastest=True),
-        "tiles fastest, rescaled in clusters": dict(sizes=(260, 1, 0, 129), k=384, n=1024, block_rows=128, stages=3,
-                                                    block_cols=256, cluster=2, rescale=True, tiles_fastest=True),
+        "column blocks fastest": dict(sizes=(300, 0, 130, 7, 64), k=256, n=384, block_rows=64, stages=2,
+                                      tiles_fastest=False),
+        "experts of several tiles, rescaled in clusters": dict(sizes=(260, 1, 0, 129), k=384, n=1024, block_rows=128,
+                                                               stages=3, block_cols=256, cluster=2, rescale=True),
     }
     kernels = {"moe_grouped_matmul_fp8": 1}
     tolerance = TOLERANCE
@@ -501,12 +501,12 @@ class TestGroupedMatmulFp8(KernelCase):
                                                             pingpong=True), ["mosaic_gpu_v2"]),
         "prefill's gate_up, rescaled 256-column sums": (dict(rows=65536, block_rows=128, k=4096, n=4096, block_cols=256,
                                                              stages=3, cluster=2, rescale=True), ["mosaic_gpu_v2"]),
-        "prefill's gate_up, each expert's tiles fastest": (dict(rows=65536, block_rows=128, k=4096, n=4096,
-                                                                tiles_fastest=True), ["mosaic_gpu_v2"]),
+        "prefill's gate_up, column blocks fastest": (dict(rows=65536, block_rows=128, k=4096, n=4096,
+                                                          tiles_fastest=False), ["mosaic_gpu_v2"]),
     }
 
     def inputs(self, key, sizes, k, n, block_rows, stages, cluster=1, block_cols=128, overlap=True, pingpong=False,
-               rescale=False, tiles_fastest=False):
+               rescale=False, tiles_fastest=True):
         _, _, args = fp8_operands(key, list(sizes), k, n, block_rows)
         config = moe_gemm.Fp8GemmConfig(block_rows=block_rows, block_cols=block_cols, stages=stages, cluster=cluster,
                                         overlap_items=overlap, pingpong=pingpong, rescale=rescale,
@@ -530,7 +530,7 @@ class TestGroupedMatmulFp8(KernelCase):
         assert relative_error(got[:used], want[:used]) < TOLERANCE
 
     def lowering_args(self, rows, block_rows, k, n, cluster=1, block_cols=128, stages=4, pingpong=False, rescale=False,
-                      tiles_fastest=False):
+                      tiles_fastest=True):
         tiles, sds, fp8 = moe_gemm.max_tiles(rows, 288, block_rows), jax.ShapeDtypeStruct, jnp.float8_e4m3fn
         m = tiles * block_rows
         args = (sds((m, k), fp8), sds((m, k // 128), jnp.float32), sds((288, n, k), fp8),
