@@ -11,8 +11,11 @@ from conftest import ROOT
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
-# Run with -m slow only (the default run's time is bounded): its figures are saved in the notebook.
-SLOW = {"dsa_selection.ipynb"}
+# Run with -m slow only (the default run's time is bounded; their outputs are saved in the notebooks):
+# dsa_selection's figures, and fine_tune, whose code the default run covers otherwise (`fine_tune`
+# through `glm5next-jax train` in test_train_cli.py, overfitting a batch in test_train_step.py) and
+# which took 250 s of a CI run's 2352 with the other notebooks beside it.
+SLOW = {"dsa_selection.ipynb", "fine_tune.ipynb"}
 
 
 def execute(path):
