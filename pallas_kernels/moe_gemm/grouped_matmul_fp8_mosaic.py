@@ -44,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.block_fp8 import BLOCK
 from pallas_kernels.common import ignore, warpgroup_kernel
+from pallas_kernels.moe_gemm.grouped_matmul_mosaic import expert_item, expert_runs
 
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = _WGMMA.reduce(1)
@@ -120,16 +121,6 @@ def walk_items(item, config, steps, sm, mine, ctas):
             item(sm + i * ctas, jnp.where(i == mine - 1, plgpu.PipelinePipeline.STOP, state))
 
 
-def expert_runs(tile_experts, used_tiles):
-    """[2, T] int32: each tile's expert's first tile and its number of tiles below `used_tiles`
-    (`tile_experts` is sorted: an expert's tiles are one run)."""
-    tiles = jnp.arange(tile_experts.shape[0], dtype=jnp.int32)
-    changes = tile_experts[1:] != tile_experts[:-1]
-    first = lax.cummax(jnp.where(jnp.concatenate([jnp.ones((1,), bool), changes]), tiles, 0))
-    last = lax.cummin(jnp.where(jnp.concatenate([changes, jnp.ones((1,), bool)]), tiles, tiles[-1]), reverse=True)
-    return jnp.stack([first, jnp.minimum(last + 1, used_tiles) - first])
-
-
 def _kernel(tile_experts_ref, runs_ref, used_ref, w_scales_ref, x_ref, x_scales_ref, w_ref, o_ref, *, config, ctas, interpret):
     bm, bn = config.block_rows, config.block_cols
     k, n = x_ref.shape[1], w_ref.shape[1]
@@ -166,11 +157,10 @@ def _kernel(tile_experts_ref, runs_ref, used_ref, w_scales_ref, x_ref, x_scales_
         mine = jnp.maximum(items - sm + ctas - 1, 0) // ctas
 
         def item(index, state):
-            tile, col_group = index // col_groups, index % col_groups
-            if config.tiles_fastest:  # the expert's items hold the same indices, in another order
-                first, count = runs_ref[0, tile], runs_ref[1, tile]
-                local = index - first * col_groups
-                tile, col_group = first + lax.rem(local, count), lax.div(local, count)  # both non-negative
+            if config.tiles_fastest:
+                tile, col_group = expert_item(index, col_groups, runs_ref)
+            else:
+                tile, col_group = index // col_groups, index % col_groups
             col_block = col_group * config.cluster + lax.axis_index("cluster")
             expert = tile_experts_ref[tile]
             rows = pl.ds(tile * bm, bm)

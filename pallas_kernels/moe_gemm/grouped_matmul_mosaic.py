@@ -2,8 +2,10 @@
 `api.expert_tiles` (every tile one expert's rows).
 
 The kernel runs one CTA per SM, each walking its share of the (tile, column block) items, column
-blocks fastest (the SMs at work at one time share a few tiles' rows and their experts' weight
-columns in L2, so HBM sees each weight about once), and skipping tiles past the used ones. Per item,
+blocks fastest, or with `tiles_fastest` an expert at a time, its column blocks in order and its
+tiles fastest within each (`expert_item`: the CTAs reading one column block of the expert's weights
+run side by side; the FP8 kernel's default, where ncu showed column blocks fastest reading about a
+quarter of the weights twice from DRAM), and skipping tiles past the used ones. Per item,
 two compute warpgroups split the columns and a third feeds them by TMA, pipelined over K
 (`emit_pipeline_warp_specialized`). On the H200 this simple form is 2-6% faster than one pipeline
 per SM across all its items over 64-row tiles in pairs (bench/RESULTS.md). With `transposed` the
@@ -27,15 +29,38 @@ from pallas_kernels.common import ignore, warpgroup_kernel
 class GemmConfig:
     """The kernel's tiling: `block_rows` rows per tile (64 or 128: one or two wgmma row blocks),
     `block_cols` columns per CTA (split between the two compute warpgroups), `block_k` the pipelined
-    slice of K, `stages` slices in flight."""
+    slice of K, `stages` slices in flight; `tiles_fastest`: the items walk each expert's tiles
+    fastest, column blocks next (module docstring)."""
 
     block_rows: int = 128
     block_cols: int = 256
     block_k: int = 64
     stages: int = 3
+    tiles_fastest: bool = False
 
 
-def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: GemmConfig, n_tiles: int, transposed):
+def expert_runs(tile_experts, used_tiles):
+    """[2, T] int32: each tile's expert's first tile and its number of tiles below `used_tiles`
+    (`tile_experts` is sorted: an expert's tiles are one run)."""
+    tiles = jnp.arange(tile_experts.shape[0], dtype=jnp.int32)
+    changes = tile_experts[1:] != tile_experts[:-1]
+    first = lax.cummax(jnp.where(jnp.concatenate([jnp.ones((1,), bool), changes]), tiles, 0))
+    last = lax.cummin(jnp.where(jnp.concatenate([changes, jnp.ones((1,), bool)]), tiles, tiles[-1]), reverse=True)
+    return jnp.stack([first, jnp.minimum(last + 1, used_tiles) - first])
+
+
+def expert_item(index, col_blocks, runs_ref):
+    """(tile, column block) of item `index` below the used tiles' items, walked an expert at a time:
+    its items hold the indices that column blocks fastest gives them, its tiles fastest within each
+    column block. runs_ref: `expert_runs`."""
+    tile = index // col_blocks
+    first, count = runs_ref[0, tile], runs_ref[1, tile]
+    local = index - first * col_blocks
+    return first + lax.rem(local, count), lax.div(local, count)  # both non-negative
+
+
+def _gemm_kernel(tile_experts_ref, runs_ref, used_ref, x_ref, w_ref, o_ref, *, config: GemmConfig, n_tiles: int,
+                 transposed):
     bm, bn, bk = config.block_rows, config.block_cols, config.block_k
     n, k = w_ref.shape[1:] if transposed else w_ref.shape[1:][::-1]
     w_block, w_index = ((bn, bk), lambda kk: (0, kk)) if transposed else ((bk, bn), lambda kk: (kk, 0))
@@ -74,10 +99,13 @@ def _gemm_kernel(tile_experts_ref, used_ref, x_ref, w_ref, o_ref, *, config: Gem
         @plgpu.nd_loop((n_tiles * col_blocks,), collective_axes="sm")
         def tile_loop(info):
             (index,) = info.index
-            tile, col_block = index // col_blocks, index % col_blocks
 
-            @pl.when(tile < used_tiles)
+            @pl.when(index < used_tiles * col_blocks)
             def _():
+                if config.tiles_fastest:
+                    tile, col_block = expert_item(index, col_blocks, runs_ref)
+                else:
+                    tile, col_block = index // col_blocks, index % col_blocks
                 rows = pl.ds(tile * bm, bm)
                 cols = pl.ds(col_block * bn, bn)
 
@@ -120,4 +148,5 @@ def grouped_matmul_kernel(
         jax.ShapeDtypeStruct((x.shape[0], weights.shape[1 if transposed else 2]), x.dtype),
         name="moe_grouped_matmul", ctas=sms, interpret=interpret,
     )
-    return kernel(tile_experts, jnp.reshape(used_tiles, (1,)).astype(jnp.int32), x, weights)
+    used_tiles = jnp.reshape(used_tiles, (1,)).astype(jnp.int32)
+    return kernel(tile_experts, expert_runs(tile_experts, used_tiles[0]), used_tiles, x, weights)

@@ -189,6 +189,7 @@ class TestExpertOuter(KernelCase):
     ([100, 0, 1, 64, 135], 128, 256, (64, 256, 64, 2)),  # empty and one-row experts, 64-row tiles
     ([40, 90, 7, 0, 128, 300], 256, 512, (128, 256, 64, 2)),  # 128-row tiles, rows' gradient in 256 columns
     ([0, 0, 130], 192, 256, (128, 256, 64, 3)),  # K = 192: the backward through the reference's vjp
+    ([40, 300, 0, 7], 128, 512, (64, 256, 64, 2, True)),  # each expert's tiles fastest, forward and d_lhs
 ])
 def test_kernel_gradients_match_the_references_vjp(sizes, k, n, config):
     """jax.vjp through the kernel (its custom_vjp: the transposed-weights kernel and the outer
@@ -374,17 +375,21 @@ class TestGroupedMatmul(KernelCase):
     cases = {
         "64-row tiles, empty and one-row experts": dict(sizes=(100, 0, 1, 64, 135), k=128, n=256, block_rows=64),
         "128-row tiles, two column blocks": dict(sizes=(40, 90, 7, 0, 128, 300), k=128, n=512, block_rows=128),
+        "each expert's tiles fastest": dict(sizes=(200, 0, 1, 130, 64), k=128, n=768, block_rows=64, tiles_fastest=True),
     }
     kernels = {"moe_grouped_matmul": 1}
     tolerance = TOLERANCE
     lowering_cases = {
         "prefill's gate_up": (dict(rows=65536, block_rows=128, k=4096, n=4096), ["mosaic_gpu_v2"]),
         "decode's down": (dict(rows=64, block_rows=64, k=2048, n=4096), ["mosaic_gpu_v2"]),
+        "prefill's gate_up, tiles fastest": (dict(rows=65536, block_rows=128, k=4096, n=4096, tiles_fastest=True),
+                                             ["mosaic_gpu_v2"]),
     }
 
-    def inputs(self, key, sizes, k, n, block_rows):
+    def inputs(self, key, sizes, k, n, block_rows, tiles_fastest=False):
         _, w, tiles, x_tiled = tiled_operands(int(jax.random.randint(key, (), 0, 2**30)), list(sizes), k, n, block_rows)
-        return (x_tiled, w, tiles.tile_experts, tiles.used_tiles), dict(config=moe_gemm.GemmConfig(block_rows=block_rows))
+        config = moe_gemm.GemmConfig(block_rows=block_rows, tiles_fastest=tiles_fastest)
+        return (x_tiled, w, tiles.tile_experts, tiles.used_tiles), dict(config=config)
 
     def kernel(self, *args, interpret=True, config=None):
         return moe_gemm.grouped_matmul(*args, implementation="pallas", config=config, interpret=interpret)
@@ -397,11 +402,11 @@ class TestGroupedMatmul(KernelCase):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert relative_error(got[:used], want[:used]) < TOLERANCE
 
-    def lowering_args(self, rows, block_rows, k, n):
+    def lowering_args(self, rows, block_rows, k, n, tiles_fastest=False):
         tiles, sds = moe_gemm.max_tiles(rows, 288, block_rows), jax.ShapeDtypeStruct
         args = (sds((tiles * block_rows, k), jnp.bfloat16), sds((288, k, n), jnp.bfloat16), sds((tiles,), jnp.int32),
                 sds((), jnp.int32))
-        return args, dict(config=moe_gemm.GemmConfig(block_rows=block_rows))
+        return args, dict(config=moe_gemm.GemmConfig(block_rows=block_rows, tiles_fastest=tiles_fastest))
 
 
 def fp8_operands(key, sizes, k, n, block_rows):
