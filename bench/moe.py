@@ -84,9 +84,11 @@ def sampled_error(out_rows, x_rows, w, sizes, rng):
 
 
 def parse_config(text):
-    """`<block_rows>x<block_cols>x<block_k>x<stages>`, e.g. 128x256x64x3."""
-    rows, cols, k, stages = (int(v) for v in text.split("x"))
-    return moe_gemm.GemmConfig(block_rows=rows, block_cols=cols, block_k=k, stages=stages)
+    """`<block_rows>x<block_cols>x<block_k>x<stages>`, e.g. 128x256x64x3, with "t" after it for the
+    items walking each expert's tiles fastest (128x256x64x3t)."""
+    tiles_fastest = text.endswith("t")
+    rows, cols, k, stages = (int(v) for v in text.removesuffix("t").split("x"))
+    return moe_gemm.GemmConfig(block_rows=rows, block_cols=cols, block_k=k, stages=stages, tiles_fastest=tiles_fastest)
 
 
 def bench_gemms(token_counts, skip_peers, configs, results):
@@ -113,6 +115,7 @@ def bench_gemms(token_counts, skip_peers, configs, results):
                 ours = jax.jit(functools.partial(moe_gemm.grouped_matmul, implementation=implementation, config=config))
                 label = "ours" if config == default else "ours, config"
                 shape = f"{config.block_rows}x{config.block_cols}x{config.block_k}x{config.stages}"
+                shape += ", tiles fastest" if config.tiles_fastest else ""
                 runs[f"{label} ({implementation} {shape})"] = (
                     functools.partial(ours, x_tiled, w, tiles.tile_experts, tiles.used_tiles),
                     lambda out, slots=tiles.slots: out[slots],
@@ -328,7 +331,8 @@ def main():
                         help="also every FP8 config with its items walking column blocks fastest")
     parser.add_argument("--no-peers", action="store_true", help="time ours alone")
     parser.add_argument(
-        "--configs", default="", help="more kernel configs, <block_rows>x<block_cols>x<block_k>x<stages>, e.g. 128x128x64x4"
+        "--configs", default="",
+        help="more kernel configs, <block_rows>x<block_cols>x<block_k>x<stages>[t] (t: tiles fastest), e.g. 128x256x64x3t",
     )
     add_results_argument(parser)
     args = parser.parse_args()
