@@ -163,6 +163,35 @@ def _weighted_rows_sum_bwd(dtype, residuals, d_out):
 _weighted_rows_sum.defvjp(_weighted_rows_sum_fwd, _weighted_rows_sum_bwd)
 
 
+class _Slots(NamedTuple):
+    """Where the rows sorted by expert sit in the tiled layout: token_of_slot [slots] (padding slots
+    read token 0), slot_of_choice [N, k] and present [N, k] (the choice's expert is held here)."""
+
+    token_of_slot: jax.Array
+    slot_of_choice: jax.Array
+    present: jax.Array
+
+
+@jax.custom_vjp
+def _token_rows(tokens, slots: _Slots):
+    """tokens[slots.token_of_slot]. Its vjp sums each token's held choices' row gradients by
+    gathering them, where autodiff would scatter-add into a zeroed [N, D] buffer, which XLA allocates
+    for every MoE layer at once (128 MiB each in float32 at 8192 tokens)."""
+    return tokens[slots.token_of_slot]
+
+
+def _token_sums(d_rows, slots: _Slots, dtype):
+    """sum_j present[:, j] d_rows[slot_of_choice[:, j]] in float32, cast to dtype: the gradient of
+    each token from its rows (padding slots belong to no choice)."""
+    terms = [jnp.where(slots.present[:, j, None], _choice_rows(d_rows, slots.slot_of_choice[:, j]).astype(jnp.float32), 0)
+             for j in range(slots.slot_of_choice.shape[-1])]
+    return functools.reduce(jnp.add, terms).astype(dtype)
+
+
+_token_rows.defvjp(lambda tokens, slots: (_token_rows(tokens, slots), slots),
+                   lambda slots, d_rows: (_token_sums(d_rows, slots, d_rows.dtype), None))  # d_rows: tokens' dtype
+
+
 def routed_experts(p, tokens, weights, experts, config, implementation=None, interpret=False, first_expert=0,
                    width_split=()):
     """The routed experts' sum for each token [N, D] (grouped GEMMs over the rows sorted by expert),
@@ -190,22 +219,23 @@ def routed_experts(p, tokens, weights, experts, config, implementation=None, int
     tiles = moe_gemm.expert_tiles(group_sizes, order.shape[0], gemms.block_rows)
     token_of_row = order // k
     token_of_slot = jnp.zeros(tiles.tile_experts.shape[0] * gemms.block_rows, jnp.int32).at[tiles.slots].set(token_of_row)
-    hidden = gemms.gate_up(token_of_slot, tiles)
+    # Where each token's choices come out in the tiled layout: the sort's inverse, through the slots.
+    slot_of_choice = jnp.zeros_like(local).at[order].set(tiles.slots).reshape(experts.shape)
+    slots = _Slots(token_of_slot, slot_of_choice, here)
+    hidden = gemms.gate_up(slots, tiles)
     if "experts_gate_up" in adapted:
-        hidden = hidden + expert_rows(tokens[token_of_slot], adapted["experts_gate_up"], tiles.tile_experts,
+        hidden = hidden + expert_rows(_token_rows(tokens, slots), adapted["experts_gate_up"], tiles.tile_experts,
                                       gemms.block_rows)
     hidden = clamped_swiglu(hidden.reshape(hidden.shape[0], 2, -1), config.swiglu_limit)
     down = gemms.down(hidden, tiles)
     if "experts_down" in adapted:
         down = down + expert_rows(hidden, adapted["experts_down"], tiles.tile_experts, gemms.block_rows)
-    # Where each token's choices came out in the tiled layout: the sort's inverse, through the slots.
-    slot_of_choice = jnp.zeros_like(local).at[order].set(tiles.slots).reshape(experts.shape)
     return combine(down, slot_of_choice, experts, weights, tokens.dtype, here)
 
 
 class _ExpertGemms(NamedTuple):
     block_rows: int  # the tiled layout's rows a tile
-    gate_up: Callable  # (token of each slot, tiles) -> [slots, 2 I]
+    gate_up: Callable  # (_Slots, tiles) -> [slots, 2 I]
     down: Callable  # (hidden [slots, I], tiles) -> [slots, D]
 
 
@@ -219,7 +249,7 @@ def _bf16_gemms(p, tokens, rows, implementation, interpret):
                                        config=gemm, interpret=interpret)
 
     return _ExpertGemms(
-        gemm.block_rows, lambda token_of_slot, tiles: run(tokens[token_of_slot], gate_up, tiles),
+        gemm.block_rows, lambda slots, tiles: run(_token_rows(tokens, slots), gate_up, tiles),
         lambda hidden, tiles: run(hidden, p["experts_down"], tiles),
     )
 
@@ -257,16 +287,16 @@ def _fp8_gemms(p, tokens, rows, implementation, interpret, width_split):
         return jnp.where(jnp.arange(d_rows.shape[0])[:, None] < tiles.used_tiles * gemm.block_rows, d_rows, 0)
 
     def gate_up_forward(tokens, consts):
-        token_of_slot, tiles, weights = consts
+        slots, tiles, weights = consts
         x_q, x_s = block_fp8.quantize_rows(tokens)  # once a token, before its rows are gathered
-        rows_q, rows_s = x_q[token_of_slot], x_s[token_of_slot]
+        rows_q, rows_s = x_q[slots.token_of_slot], x_s[slots.token_of_slot]
         return jnp.concatenate([run(rows_q, rows_s, w, tiles) for w in weights], axis=-1)
 
     def gate_up_backward(d_out, consts):
-        token_of_slot, tiles, weights = consts
+        slots, tiles, weights = consts
         parts = jnp.split(d_out, len(weights), axis=-1)
         d_rows = sum(rows_gradient(d, w, tiles) for d, w in zip(parts, weights, strict=True))
-        return jnp.zeros(tokens.shape, jnp.float32).at[token_of_slot].add(d_rows).astype(tokens.dtype)
+        return _token_sums(d_rows, slots, tokens.dtype)
 
     def down_forward(hidden, consts):
         tiles, w = consts
@@ -276,8 +306,8 @@ def _fp8_gemms(p, tokens, rows, implementation, interpret, width_split):
         tiles, w = consts
         return rows_gradient(d_out, w, tiles).astype(d_out.dtype)
 
-    def gate_up_rows(token_of_slot, tiles):
-        return straight_through(gate_up_forward, gate_up_backward, tokens, (token_of_slot, tiles, gate_up))
+    def gate_up_rows(slots, tiles):
+        return straight_through(gate_up_forward, gate_up_backward, tokens, (slots, tiles, gate_up))
 
     def down_rows(hidden, tiles):
         return straight_through(down_forward, down_backward, hidden, (tiles, down))

@@ -287,6 +287,34 @@ def test_combine_adds_the_experts_as_the_reference_does(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_token_rows_differentiate_as_their_autodiff(dtype):
+    """The tokens' rows in the tiled layout (`tokens[token_of_slot]`) differentiate by gathering each
+    token's choices' row gradients, as autodiff's scatter-add does: padding slots (reading token 0,
+    their gradient zero, as the MoE's always is) and choices held elsewhere (no slot) add nothing.
+    Against autodiff in fp32: fp32 within rounding, bf16 (summed in fp32, rounded once) within one
+    rounding, where autodiff's bf16 scatter-add rounds after every addition."""
+    rng = np.random.default_rng(2)
+    tokens, k, d, slots_count = 40, 4, 32, 200
+    present = rng.uniform(size=(tokens, k)) < 0.8
+    slot_of_choice = rng.permutation(slots_count)[: tokens * k].reshape(tokens, k).astype(np.int32)
+    slot_of_choice = np.where(present, slot_of_choice, slots_count + 3)
+    token_of_slot = np.zeros(slots_count, np.int32)
+    token_of_slot[slot_of_choice[present]] = np.nonzero(present)[0]
+    slots = mlp._Slots(jnp.asarray(token_of_slot), jnp.asarray(slot_of_choice), jnp.asarray(present))
+    x = jnp.asarray(rng.standard_normal((tokens, d)), dtype)
+    used = np.zeros(slots_count, bool)
+    used[slot_of_choice[present]] = True
+    d_rows = jnp.asarray(np.where(used[:, None], rng.standard_normal((slots_count, d)), 0), dtype)
+    got, vjp = jax.vjp(lambda x: mlp._token_rows(x, slots), x)
+    want, vjp_autodiff = jax.vjp(lambda x: x[jnp.asarray(token_of_slot)], x.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    (d_x,), (d_want,) = vjp(d_rows), vjp_autodiff(d_rows.astype(jnp.float32))
+    assert d_x.dtype == dtype
+    assert relative_error(d_x, d_want) < (1e-6 if dtype == np.float32 else 2.0**-8)
+    assert not np.asarray(d_x)[~present.any(1)].any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_combine_differentiates_as_its_autodiff(dtype):
     """combine's gradient (a gather a slot) against jax.vjp of the same sum left to autodiff (which
     scatter-adds into the rows): unused slots, choices held elsewhere (their slots out of range),
