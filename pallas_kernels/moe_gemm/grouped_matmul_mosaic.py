@@ -59,8 +59,9 @@ def expert_item(index, col_blocks, runs_ref):
     return first + lax.rem(local, count), lax.div(local, count)  # both non-negative
 
 
-def _gemm_kernel(tile_experts_ref, runs_ref, used_ref, x_ref, w_ref, o_ref, *, config: GemmConfig, n_tiles: int,
-                 transposed):
+def _gemm_kernel(tile_experts_ref, *refs, config: GemmConfig, n_tiles: int, transposed):
+    # `expert_runs` comes only where the items walk an expert's tiles fastest.
+    runs_ref, used_ref, x_ref, w_ref, o_ref = refs if config.tiles_fastest else (None, *refs)
     bm, bn, bk = config.block_rows, config.block_cols, config.block_k
     n, k = w_ref.shape[1:] if transposed else w_ref.shape[1:][::-1]
     w_block, w_index = ((bn, bk), lambda kk: (0, kk)) if transposed else ((bk, bn), lambda kk: (kk, 0))
@@ -149,4 +150,5 @@ def grouped_matmul_kernel(
         name="moe_grouped_matmul", ctas=sms, interpret=interpret,
     )
     used_tiles = jnp.reshape(used_tiles, (1,)).astype(jnp.int32)
-    return kernel(tile_experts, expert_runs(tile_experts, used_tiles[0]), used_tiles, x, weights)
+    runs = [expert_runs(tile_experts, used_tiles[0])] if config.tiles_fastest else []
+    return kernel(tile_experts, *runs, used_tiles, x, weights)
