@@ -183,9 +183,8 @@ def _token_rows(tokens, slots: _Slots):
 def _token_sums(d_rows, slots: _Slots, dtype):
     """sum_j present[:, j] d_rows[slot_of_choice[:, j]] in float32, cast to dtype: the gradient of
     each token from its rows (padding slots belong to no choice)."""
-    terms = [jnp.where(slots.present[:, j, None], _choice_rows(d_rows, slots.slot_of_choice[:, j]).astype(jnp.float32), 0)
-             for j in range(slots.slot_of_choice.shape[-1])]
-    return functools.reduce(jnp.add, terms).astype(dtype)
+    ones = jnp.ones(slots.slot_of_choice.shape, jnp.float32)
+    return _weighted_rows_sum(d_rows, slots.slot_of_choice, ones, slots.present, jnp.float32).astype(dtype)
 
 
 _token_rows.defvjp(lambda tokens, slots: (_token_rows(tokens, slots), slots),
